@@ -1,0 +1,9 @@
+// ElasticEP: Mixture-of-Experts dispatch and combine across expert-parallel ranks.
+#pragma once
+
+#include "elasticep/buffer.hpp"
+#include "elasticep/config.hpp"
+#include "elasticep/error.hpp"
+#include "elasticep/group.hpp"
+#include "elasticep/tensor.hpp"
+#include "elasticep/version.hpp"

@@ -1,0 +1,449 @@
+// CPU reference backend: ranks are threads of one process sharing a host arena.
+//
+// Protocol (the same slot/count protocol the GPU backend uses):
+//   dispatch, epoch n, sender s:
+//     1. validate routes, write each token once per destination rank d into d's slot region
+//        disp_slots[d][s][j] (j = the token's position among s's tokens for d, t ascending);
+//     2. publish disp_flag[d][s][n % 2] = {count, status}, then its epoch (release);
+//   receiver d waits (bounded) for every sender's flag of epoch n, then expands the messages in
+//   (s, j) order into the requested layout; a bad status anywhere fails every rank alike.
+//   combine, epoch n, expert holder d: for each received token (s, t) forms the bf16 partial over
+//     its routes to d and writes it to comb_slots[s][d][t], then publishes comb_flag[s][d] = n;
+//   origin s waits for every comb_flag[s][*] = n and reduces in first-k destination order.
+// Slot reuse is safe without extra flags: a sender writes epoch n+1 data only after its combine n
+// saw every peer's partials, which each peer sent after it had read its epoch n messages.
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unistd.h>
+
+#include "core/backend.hpp"
+#include "core/check.hpp"
+#include "core/layout.hpp"
+#include "core/numerics.hpp"
+#include "core/outputs.hpp"
+#include "core/quantize.hpp"
+#include "core/routing.hpp"
+
+namespace elasticep::detail {
+namespace {
+
+struct DispatchFlag {
+    std::atomic<uint64_t> epoch{0};
+    int64_t count = 0;
+    BadRoute bad;
+    bool sticky = false;
+};
+
+struct Arena {
+    Arena(int r, int c, int h, MessageLayout m)
+        : num_ranks(r), capacity(c), hidden(h), msg(m), disp_flags(static_cast<size_t>(r) * r * 2),
+          comb_flags(static_cast<size_t>(r) * r) {
+        const size_t slots = static_cast<size_t>(r) * static_cast<size_t>(c);
+        for (int d = 0; d < r; ++d) {
+            disp_slots.emplace_back(slots * static_cast<size_t>(m.bytes));
+            comb_slots.emplace_back(slots * static_cast<size_t>(h));
+        }
+    }
+    const int num_ranks, capacity, hidden;
+    const MessageLayout msg;
+    std::vector<std::vector<uint8_t>> disp_slots;   // [receiver][sender * C + j] messages
+    std::vector<std::vector<uint16_t>> comb_slots;  // [origin][holder * C + t][H] bf16 partials
+    std::vector<DispatchFlag> disp_flags;           // [receiver][sender][parity]
+    std::vector<std::atomic<uint64_t>> comb_flags;  // [origin][holder]
+
+    uint8_t* slot(int d, int s, int64_t j) {
+        return disp_slots[static_cast<size_t>(d)].data() +
+               (static_cast<size_t>(s) * capacity + static_cast<size_t>(j)) * static_cast<size_t>(msg.bytes);
+    }
+    DispatchFlag& dflag(int d, int s, uint64_t epoch) {
+        return disp_flags[(static_cast<size_t>(d) * num_ranks + static_cast<size_t>(s)) * 2 + (epoch & 1)];
+    }
+    std::atomic<uint64_t>& cflag(int s, int d) { return comb_flags[static_cast<size_t>(s) * num_ranks + static_cast<size_t>(d)]; }
+};
+
+// Arenas under construction, keyed by an id rank 0 broadcasts; ranks take a reference, then
+// rank 0 drops the entry after a barrier.
+std::mutex g_arena_mu;
+std::map<uint64_t, std::shared_ptr<Arena>> g_arenas;
+std::atomic<uint64_t> g_next_arena{1};
+
+struct CpuHandleData {
+    uint64_t epoch = 0;
+    RoutePlan plan;  // this rank's own tokens (origin side of combine)
+    // receiver side: one entry per received token, in (sender, slot) order
+    struct Msg {
+        int32_t src_rank, src_token, route_begin, route_end;
+    };
+    std::vector<Msg> msgs;
+    std::vector<int64_t> route_rows;  // row in y of each route, k ascending within a message
+    std::vector<float> route_weights;
+};
+
+struct Storage {
+    std::vector<uint8_t> bytes;
+    void* reserve(size_t n) {
+        if (bytes.size() < n) bytes.assign(n, 0);
+        return bytes.data();
+    }
+};
+
+MessageLayout message_layout(const BufferConfig& c) {
+    const bool fp8 = c.payload == Payload::kFP8;
+    return MessageLayout::make(c.hidden, c.num_topk, fp8 ? 1 : 2, fp8 ? scale_columns(c.scale_format, c.hidden) : 0);
+}
+
+class CpuBackend final : public BackendBuffer {
+   public:
+    explicit CpuBackend(const BackendContext& ctx)
+        : ctx_(ctx), cfg_(ctx.config), rank_(ctx.rank), num_ranks_(ctx.num_ranks),
+          e_local_(cfg_.num_experts / ctx.num_ranks), load_(static_cast<size_t>(e_local_), 0) {
+        struct Hello {
+            int64_t pid;
+            uint64_t arena_id;
+        };
+        Hello me{static_cast<int64_t>(::getpid()), 0};
+        if (rank_ == 0) {
+            me.arena_id = g_next_arena.fetch_add(1);
+            auto arena = std::make_shared<Arena>(num_ranks_, cfg_.max_tokens_per_rank, cfg_.hidden, message_layout(cfg_));
+            std::lock_guard<std::mutex> lock(g_arena_mu);
+            g_arenas[me.arena_id] = arena;
+        }
+        const auto all = ctx.group->all_gather_value(me);
+        bool same_process = true;
+        for (const Hello& h : all) same_process = same_process && h.pid == me.pid;
+        if (same_process) {
+            std::lock_guard<std::mutex> lock(g_arena_mu);
+            arena_ = g_arenas.at(all[0].arena_id);
+        }
+        ctx.group->barrier();
+        if (rank_ == 0) {
+            std::lock_guard<std::mutex> lock(g_arena_mu);
+            g_arenas.erase(me.arena_id);
+        }
+        ELASTICEP_CHECK(same_process, ErrorCode::kUnsupported,
+                        "the CPU backend shares one host arena between ranks, so all ranks must be threads of one "
+                        "process (ThreadGroup); this group spans several processes");
+    }
+
+    Device device() const override { return Device{}; }
+
+    size_t reserved_bytes() const override { return cpu_reservation_bytes(cfg_, num_ranks_); }
+
+    std::vector<int64_t> expert_load() override { return load_; }
+    void reset_expert_load() override { std::fill(load_.begin(), load_.end(), 0); }
+
+    void check() override {
+        if (fault_.any()) {
+            const BadRoute f = fault_;
+            fault_ = BadRoute{};
+            raise(ErrorCode::kInvalidArgument, "sticky fault from an earlier graph-mode dispatch: " +
+                                                   describe_bad_route(f, rank_, cfg_.num_experts) +
+                                                   " (those routes were dropped)");
+        }
+    }
+
+    void dispatch(const DispatchRequest& req, HandleState& handle, DispatchResult& result) override {
+        const DispatchArgs& a = *req.args;
+        const uint64_t epoch = ++epoch_;
+        auto data = std::make_shared<CpuHandleData>();
+        data->epoch = epoch;
+        data->plan = plan_routes(a.topk_idx, cfg_.num_experts, e_local_);
+        const RoutePlan& plan = data->plan;
+        // A host-synchronising call fails on every rank alike, through the count exchange, for
+        // this call's bad routes or for a sticky fault an earlier graph-mode call left here.
+        BadRoute rejected;
+        bool rejected_sticky = false;
+        if (a.host_sync && fault_.any()) {
+            rejected = fault_;
+            rejected_sticky = true;
+            fault_ = BadRoute{};
+        } else if (a.host_sync) {
+            rejected = plan.first_bad;
+        } else if (plan.first_bad.any() && !fault_.any()) {
+            fault_ = plan.first_bad;
+        }
+        const bool reject = rejected.any();
+
+        // 1. send
+        std::vector<int64_t> sent(static_cast<size_t>(num_ranks_), 0);
+        if (!reject) send_tokens(req, plan, sent);
+        for (int d = 0; d < num_ranks_; ++d) {
+            DispatchFlag& f = arena_->dflag(d, rank_, epoch);
+            f.count = sent[static_cast<size_t>(d)];
+            f.bad = rejected;
+            f.sticky = rejected_sticky;
+            f.epoch.store(epoch, std::memory_order_release);
+        }
+        // 2. wait for every sender
+        wait_all("dispatch", epoch, [&](int s) { return arena_->dflag(rank_, s, epoch).epoch.load(std::memory_order_acquire); });
+        for (int s = 0; s < num_ranks_; ++s) {
+            const DispatchFlag& f = arena_->dflag(rank_, s, epoch);
+            if (f.bad.any())
+                raise(ErrorCode::kInvalidArgument,
+                      cat("dispatch: ", f.sticky ? "sticky fault from an earlier graph-mode dispatch (those routes were dropped): " : "",
+                          describe_bad_route(f.bad, s, cfg_.num_experts), "; no rank published outputs for this call"));
+        }
+        // 3. receive into the layout
+        receive(req, *data, result);
+        handle.num_sms = 0;
+        handle.backend_data = data;
+    }
+
+    TensorRef combine(HandleState& handle, const CombineArgs& args) override {
+        auto& data = *static_cast<CpuHandleData*>(handle.backend_data.get());
+        const uint64_t epoch = data.epoch;
+        const int h_count = cfg_.hidden;
+        const auto* y = static_cast<const uint16_t*>(args.y.data);
+        // 1. partials on the expert-holding rank, straight into the origin's slots
+        for (const auto& m : data.msgs) {
+            uint16_t* dst = arena_->comb_slots[static_cast<size_t>(m.src_rank)].data() +
+                            (static_cast<size_t>(rank_) * cfg_.max_tokens_per_rank + static_cast<size_t>(m.src_token)) *
+                                static_cast<size_t>(h_count);
+            for (int h = 0; h < h_count; ++h) {
+                float p = 0.0f;
+                for (int32_t r = m.route_begin; r < m.route_end; ++r) {
+                    const float w = args.weighted ? data.route_weights[static_cast<size_t>(r)] : 1.0f;
+                    p = std::fmaf(w, num::bf16_to_float(y[data.route_rows[static_cast<size_t>(r)] * h_count + h]), p);
+                }
+                dst[h] = num::float_to_bf16(p);
+            }
+        }
+        for (int s = 0; s < num_ranks_; ++s) arena_->cflag(s, rank_).store(epoch, std::memory_order_release);
+        wait_all("combine", epoch, [&](int d) { return arena_->cflag(rank_, d).load(std::memory_order_acquire); });
+        // 2. reduce at the origin in first-k destination order
+        const RoutePlan& plan = data.plan;
+        const int64_t t_count = plan.num_tokens;
+        TensorRef out = args.out ? *args.out
+                                 : TensorRef::contiguous(out_st_.reserve(static_cast<size_t>(t_count * h_count) * 2),
+                                                         DType::kBFloat16, {t_count, h_count});
+        const int64_t out_stride = t_count > 1 ? out.stride(0) : h_count;
+        const int64_t bias_stride = args.bias && t_count > 1 ? args.bias->stride(0) : h_count;
+        auto* o = static_cast<uint16_t*>(out.data);
+        const auto& own = arena_->comb_slots[static_cast<size_t>(rank_)];
+        for (int64_t t = 0; t < t_count; ++t) {
+            for (int h = 0; h < h_count; ++h) {
+                float acc = args.bias ? num::bf16_to_float(static_cast<const uint16_t*>(args.bias->data)[t * bias_stride + h]) : 0.0f;
+                for (int32_t i = plan.dest_offsets[static_cast<size_t>(t)]; i < plan.dest_offsets[static_cast<size_t>(t + 1)]; ++i) {
+                    const int32_t d = plan.dests[static_cast<size_t>(i)];
+                    const size_t at = (static_cast<size_t>(d) * cfg_.max_tokens_per_rank + static_cast<size_t>(t)) * h_count + h;
+                    acc = acc + num::bf16_to_float(own[at]);
+                }
+                o[t * out_stride + h] = num::float_to_bf16(acc);
+            }
+        }
+        return out;
+    }
+
+   private:
+    template <class EpochOf>
+    void wait_all(const char* phase, uint64_t epoch, EpochOf epoch_of) {
+        const auto deadline = std::chrono::steady_clock::now() + cfg_.timeout;
+        for (int spins = 0;; ++spins) {
+            bool all = true;
+            for (int p = 0; p < num_ranks_ && all; ++p) all = epoch_of(p) >= epoch;
+            if (all) return;
+            if (std::chrono::steady_clock::now() > deadline) break;
+            if (spins < 64) std::this_thread::yield();
+            else std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+        std::string missing;
+        uint64_t observed = epoch;
+        for (int p = 0; p < num_ranks_; ++p) {
+            const uint64_t e = epoch_of(p);
+            if (e < epoch) {
+                missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+                observed = std::min(observed, e);
+            }
+        }
+        raise(ErrorCode::kTimeout, cat(phase, ": rank ", rank_, " waited ", cfg_.timeout.count(), " ms for rank(s) ", missing,
+                                       " (expected call #", epoch, ", last seen #", observed,
+                                       "); a peer did not call ", phase, " or is stuck. This buffer is unusable now: "
+                                       "rebuild it"));
+    }
+
+    void send_tokens(const DispatchRequest& req, const RoutePlan& plan, std::vector<int64_t>& sent) {
+        const DispatchArgs& a = *req.args;
+        const MessageLayout& m = arena_->msg;
+        const int k_count = cfg_.num_topk;
+        const int h_count = cfg_.hidden;
+        const int scols = cfg_.payload == Payload::kFP8 ? scale_columns(cfg_.scale_format, h_count) : 0;
+        const int64_t x_stride = plan.num_tokens > 1 ? a.x.stride(0) : h_count;
+        const int64_t s_stride = a.x_scales && plan.num_tokens > 1 ? a.x_scales->stride(0) : scols;
+        const int64_t w_stride = a.topk_weights && plan.num_tokens > 1 ? a.topk_weights->stride(0) : k_count;
+        std::vector<uint8_t> row(static_cast<size_t>(m.bytes), 0);
+        for (int64_t t = 0; t < plan.num_tokens; ++t) {
+            const int32_t begin = plan.dest_offsets[static_cast<size_t>(t)];
+            const int32_t end = plan.dest_offsets[static_cast<size_t>(t + 1)];
+            if (begin == end) continue;
+            // build the message once, then copy it to each destination
+            if (req.quantize) {
+                quantize_row(static_cast<const uint16_t*>(a.x.data) + t * x_stride, h_count, cfg_.scale_format, row.data(),
+                             row.data() + m.payload_bytes);
+            } else if (req.prequantized) {
+                std::memcpy(row.data(), static_cast<const uint8_t*>(a.x.data) + t * x_stride, static_cast<size_t>(h_count));
+                std::memcpy(row.data() + m.payload_bytes, static_cast<const uint8_t*>(a.x_scales->data) + t * s_stride * 4,
+                            static_cast<size_t>(scols) * 4);
+            } else {
+                std::memcpy(row.data(), static_cast<const uint16_t*>(a.x.data) + t * x_stride, static_cast<size_t>(h_count) * 2);
+            }
+            std::memcpy(row.data() + m.idx_offset, &plan.idx[static_cast<size_t>(t * k_count)], static_cast<size_t>(k_count) * 4);
+            auto* w = reinterpret_cast<float*>(row.data() + m.weight_offset);
+            for (int k = 0; k < k_count; ++k)
+                w[k] = a.topk_weights ? static_cast<const float*>(a.topk_weights->data)[t * w_stride + k] : 0.0f;
+            const auto src = static_cast<int32_t>(t);
+            std::memcpy(row.data() + m.src_offset, &src, 4);
+            for (int32_t i = begin; i < end; ++i) {
+                const int d = plan.dests[static_cast<size_t>(i)];
+                std::memcpy(arena_->slot(d, rank_, sent[static_cast<size_t>(d)]++), row.data(), static_cast<size_t>(m.bytes));
+            }
+        }
+    }
+
+    void receive(const DispatchRequest& req, CpuHandleData& data, DispatchResult& result) {
+        const DispatchArgs& a = *req.args;
+        const MessageLayout& m = arena_->msg;
+        const int k_count = cfg_.num_topk;
+        const int h_count = cfg_.hidden;
+        const bool fp8 = cfg_.payload == Payload::kFP8;
+        const int scols = fp8 ? scale_columns(cfg_.scale_format, h_count) : 0;
+        const size_t row_bytes = static_cast<size_t>(h_count) * (fp8 ? 1 : 2);
+        const bool contiguous = a.layout == Layout::kExpertContiguous;
+        const int64_t rc = int64_t{num_ranks_} * cfg_.max_tokens_per_rank;
+
+        // counts per local expert, in (s, j) order
+        std::vector<int32_t> counts(static_cast<size_t>(e_local_), 0);
+        for (int s = 0; s < num_ranks_; ++s) {
+            const int64_t n = arena_->dflag(rank_, s, data.epoch).count;
+            for (int64_t j = 0; j < n; ++j) {
+                const auto* idx = reinterpret_cast<const int32_t*>(arena_->slot(rank_, s, j) + m.idx_offset);
+                for (int k = 0; k < k_count; ++k)
+                    if (idx[k] >= 0 && idx[k] / e_local_ == rank_) ++counts[static_cast<size_t>(idx[k] % e_local_)];
+            }
+        }
+        std::vector<int64_t> start(static_cast<size_t>(e_local_) + 1, 0);
+        for (int l = 0; l < e_local_; ++l)
+            start[static_cast<size_t>(l) + 1] =
+                start[static_cast<size_t>(l)] + (contiguous ? round_up(counts[static_cast<size_t>(l)], a.expert_alignment) : 0);
+        const int64_t m_rows = start[static_cast<size_t>(e_local_)];
+        const int64_t rows_out = contiguous ? (a.host_sync ? m_rows : req.rows_cap) : rc;
+
+        // outputs: caller-provided (fixed worst-case shape) or buffer-owned
+        const auto cap_specs = dispatch_output_specs(cfg_, num_ranks_, a.layout, req.rows_cap, a.scales_mn_major);
+        const auto specs = dispatch_output_specs(cfg_, num_ranks_, a.layout, rows_out, a.scales_mn_major);
+        auto bind = [&](const std::optional<TensorRef>& given, const OutputSpec& cap, const OutputSpec& spec, Storage& st) {
+            if (given) {
+                TensorRef t = *given;
+                t.strides = cap.strides;
+                t.shape = spec.shape;
+                return t;
+            }
+            return spec.bind(st.reserve(static_cast<size_t>(cap.storage_elems) * dtype_size(cap.dtype)), Device{});
+        };
+        result.recv_x = bind(a.outputs.recv_x, cap_specs.recv_x, specs.recv_x, x_st_);
+        result.recv_weights = bind(a.outputs.recv_weights, cap_specs.recv_weights, specs.recv_weights, w_st_);
+        result.recv_src = bind(a.outputs.recv_src, cap_specs.recv_src, specs.recv_src, src_st_);
+        if (fp8) {
+            OutputSpec sspec = *specs.recv_scales;
+            if (a.outputs.recv_scales) sspec.strides = cap_specs.recv_scales->strides;  // caller's tensor keeps its stride
+            result.recv_scales = a.outputs.recv_scales ? sspec.bind(a.outputs.recv_scales->data, Device{})
+                                                       : sspec.bind(sc_st_.reserve(static_cast<size_t>(cap_specs.recv_scales->storage_elems) * 4), Device{});
+        }
+        if (contiguous) result.m_indices = bind(a.outputs.m_indices, *cap_specs.m_indices, *specs.m_indices, mi_st_);
+        auto* counts_out = static_cast<int32_t*>(meta_st_.reserve(static_cast<size_t>(2 * e_local_ + 1) * 4));
+        std::memcpy(counts_out, counts.data(), counts.size() * 4);
+        result.counts = TensorRef::contiguous(counts_out, DType::kInt32, {e_local_});
+        if (contiguous) {
+            int32_t* off = counts_out + e_local_;
+            for (int l = 0; l <= e_local_; ++l) off[l] = static_cast<int32_t>(start[static_cast<size_t>(l)]);
+            result.offsets = TensorRef::contiguous(off, DType::kInt32, {e_local_ + 1});
+            result.num_rows = a.host_sync ? m_rows : -1;
+        } else {
+            result.masked_m = result.counts;
+        }
+        for (int l = 0; l < e_local_; ++l) load_[static_cast<size_t>(l)] += counts[static_cast<size_t>(l)];
+
+        auto* rx = static_cast<uint8_t*>(result.recv_x.data);
+        auto* rw = static_cast<float*>(result.recv_weights.data);
+        auto* rs = static_cast<int32_t*>(result.recv_src.data);
+        auto* mi = contiguous ? static_cast<int32_t*>(result.m_indices.data) : nullptr;
+        auto* sc = fp8 ? static_cast<uint32_t*>(result.recv_scales->data) : nullptr;  // fp32 and int32 alike: 4 bytes
+        const std::vector<int64_t> sst = fp8 ? result.recv_scales->strides : std::vector<int64_t>{};
+        auto scale_at = [&](int64_t l, int64_t pos, int64_t row, int c) -> uint32_t& {
+            return contiguous ? sc[row * sst[0] + c * sst[1]] : sc[l * sst[0] + pos * sst[1] + c * sst[2]];
+        };
+        // padding and metadata defaults: every row that is not written below is padding
+        const int64_t total_rows = contiguous ? rows_out : int64_t{e_local_} * rc;
+        for (int64_t r = 0; r < total_rows; ++r) {
+            rw[r] = 0.0f;
+            rs[r] = -1;
+            if (mi) mi[r] = -1;
+        }
+        if (a.zero_padding) {
+            // zero every padding row; real rows are overwritten below
+            for (int64_t l = 0; l < (contiguous ? 1 : e_local_); ++l) {
+                const int64_t rows = contiguous ? rows_out : rc;
+                for (int64_t pos = 0; pos < rows; ++pos) {
+                    const int64_t row = contiguous ? pos : l * rc + pos;
+                    std::memset(rx + row * static_cast<int64_t>(row_bytes), 0, row_bytes);
+                    for (int c = 0; c < scols; ++c) scale_at(l, pos, row, c) = 0;
+                }
+            }
+        }
+
+        // place rows in (s, j) order and remember each route's row for combine
+        std::vector<int64_t> fill(static_cast<size_t>(e_local_), 0);
+        for (int s = 0; s < num_ranks_; ++s) {
+            const int64_t n = arena_->dflag(rank_, s, data.epoch).count;
+            for (int64_t j = 0; j < n; ++j) {
+                const uint8_t* msg = arena_->slot(rank_, s, j);
+                const auto* idx = reinterpret_cast<const int32_t*>(msg + m.idx_offset);
+                const auto* w = reinterpret_cast<const float*>(msg + m.weight_offset);
+                int32_t src_t;
+                std::memcpy(&src_t, msg + m.src_offset, 4);
+                CpuHandleData::Msg rec{s, src_t, static_cast<int32_t>(data.route_rows.size()), 0};
+                for (int k = 0; k < k_count; ++k) {
+                    if (idx[k] < 0 || idx[k] / e_local_ != rank_) continue;
+                    const int64_t l = idx[k] % e_local_;
+                    const int64_t pos = fill[static_cast<size_t>(l)]++;
+                    const int64_t row = contiguous ? start[static_cast<size_t>(l)] + pos : l * rc + pos;
+                    std::memcpy(rx + row * static_cast<int64_t>(row_bytes), msg, row_bytes);
+                    for (int c = 0; c < scols; ++c) std::memcpy(&scale_at(l, pos, row, c), msg + m.payload_bytes + 4 * c, 4);
+                    rw[row] = w[k];
+                    rs[row] = static_cast<int32_t>(s * cfg_.max_tokens_per_rank + src_t);
+                    if (mi) mi[row] = static_cast<int32_t>(l);
+                    data.route_rows.push_back(row);
+                    data.route_weights.push_back(w[k]);
+                }
+                rec.route_end = static_cast<int32_t>(data.route_rows.size());
+                data.msgs.push_back(rec);
+            }
+        }
+    }
+
+    BackendContext ctx_;
+    BufferConfig cfg_;
+    int rank_, num_ranks_, e_local_;
+    std::shared_ptr<Arena> arena_;
+    uint64_t epoch_ = 0;
+    BadRoute fault_;  // sticky: first invalid route of a graph-mode call, until reported
+    std::vector<int64_t> load_;
+    Storage x_st_, sc_st_, w_st_, src_st_, mi_st_, meta_st_, out_st_;
+};
+
+}  // namespace
+
+size_t cpu_reservation_bytes(const BufferConfig& c, int num_ranks) {
+    const size_t slots = static_cast<size_t>(num_ranks) * static_cast<size_t>(c.max_tokens_per_rank);
+    const size_t msg = static_cast<size_t>(message_layout(c).bytes);
+    // this rank's share of the arena: its receive slots and its combine slots, plus its combine output
+    return slots * msg + slots * static_cast<size_t>(c.hidden) * 2 + static_cast<size_t>(c.max_tokens_per_rank) * c.hidden * 2;
+}
+
+std::unique_ptr<BackendBuffer> make_cpu_backend(const BackendContext& ctx) { return std::make_unique<CpuBackend>(ctx); }
+
+}  // namespace elasticep::detail
