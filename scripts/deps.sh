@@ -6,7 +6,7 @@ set -euo pipefail
 
 need_pkgs=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for p in g++ make cmake git python3 python3-pip libgtest-dev libcli11-dev nlohmann-json3-dev; do
+for p in g++ make cmake git python3 python3-pip libgtest-dev libcli11-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin; do
     have_pkg "$p" || need_pkgs+=("$p")
 done
 if ((${#need_pkgs[@]})); then

@@ -5,5 +5,7 @@
 #include "elasticep/config.hpp"
 #include "elasticep/error.hpp"
 #include "elasticep/group.hpp"
+#include "elasticep/info.hpp"
+#include "elasticep/mpi_group.hpp"
 #include "elasticep/tensor.hpp"
 #include "elasticep/version.hpp"
