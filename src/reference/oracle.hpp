@@ -13,11 +13,11 @@ namespace elasticep::reference {
 // One rank's inputs, all row-major and host-resident.
 struct RankInput {
     int64_t num_tokens = 0;
-    std::vector<uint16_t> x;            // [T, H] bf16 bits (empty when pre-quantized)
-    std::vector<uint8_t> x_fp8;         // [T, H] E4M3 bytes (pre-quantized input only)
-    std::vector<uint32_t> x_scales;     // [T, scale_columns] fp32 bits or packed UE8M0 words
-    std::vector<int64_t> topk_idx;      // [T, K]
-    std::vector<float> topk_weights;    // [T, K], empty when the dispatch has no weights
+    std::vector<uint16_t> x;          // [T, H] bf16 bits (empty when pre-quantized)
+    std::vector<uint8_t> x_fp8;       // [T, H] E4M3 bytes (pre-quantized input only)
+    std::vector<uint32_t> x_scales;   // [T, scale_columns] fp32 bits or packed UE8M0 words
+    std::vector<int64_t> topk_idx;    // [T, K]
+    std::vector<float> topk_weights;  // [T, K], empty when the dispatch has no weights
 };
 
 struct DispatchOptions {
@@ -28,18 +28,21 @@ struct DispatchOptions {
 };
 
 // One rank's expected dispatch outputs, canonical row-major (scales row-major [rows, cols] even
-// when the call asked for MN-major: compare element by element through the strides).
+// when the call asked for MN-major: compare element by element through the strides). Padding rows
+// (contiguous segment tails, graph-mode rows >= M, masked rows >= masked_m) have weight 0, src -1,
+// m_indices -1 and zero data/scales; compare their data only when zero_padding was asked for. Real
+// rows of a dispatch without topk_weights carry weight 0.
 struct RankDispatch {
-    int64_t rows = 0;                  // contiguous: M (host sync) or M_cap; masked: E_local * R * C
-    std::vector<uint8_t> recv_x;       // rows * H * elem_bytes (bf16 bits little-endian, or E4M3)
-    std::vector<uint32_t> recv_scales; // rows * scale_columns (fp8 payload only)
-    std::vector<float> recv_weights;   // rows
-    std::vector<int32_t> recv_src;     // rows
-    std::vector<int32_t> m_indices;    // rows (contiguous only)
-    std::vector<int32_t> counts;       // E_local
-    std::vector<int32_t> offsets;      // E_local + 1 (contiguous only)
-    std::vector<uint8_t> row_is_real;  // rows: 1 where the row carries a route (the rest is padding)
-    int64_t num_rows = -1;             // M with host sync on the contiguous layout, else -1
+    int64_t rows = 0;                   // contiguous: M (host sync) or M_cap; masked: E_local * R * C
+    std::vector<uint8_t> recv_x;        // rows * H * elem_bytes (bf16 bits little-endian, or E4M3)
+    std::vector<uint32_t> recv_scales;  // rows * scale_columns (fp8 payload only)
+    std::vector<float> recv_weights;    // rows
+    std::vector<int32_t> recv_src;      // rows
+    std::vector<int32_t> m_indices;     // rows (contiguous only)
+    std::vector<int32_t> counts;        // E_local
+    std::vector<int32_t> offsets;       // E_local + 1 (contiguous only)
+    std::vector<uint8_t> row_is_real;   // rows: 1 where the row carries a route (the rest is padding)
+    int64_t num_rows = -1;              // M with host sync on the contiguous layout, else -1
 };
 
 // Expected outputs of every rank. Invalid routes (ids outside [-1, E), repeats) are dropped, as
@@ -67,5 +70,11 @@ InvalidRoute first_invalid_route(const BufferConfig& config, const RankInput& in
 uint8_t e4m3_from_float(float v);   // nearest of the 256 codes by exhaustive search, ties to even
 uint16_t bf16_from_float(float v);  // round to nearest even
 float float_from_bf16(uint16_t b);
+float float_from_e4m3(uint8_t code);  // the OCP definition; NaN for S.1111.111
+
+// One token row quantized as SEMANTICS.md says, with the oracle's own arithmetic: `hidden` bf16
+// values in, `hidden` E4M3 bytes and scale_columns(format, hidden) words out (fp32 bits for
+// f32_g128, packed UE8M0 exponent bytes otherwise, unused bytes zero).
+void quantize_row(const uint16_t* x, int hidden, ScaleFormat format, uint8_t* q, uint32_t* scales);
 
 }  // namespace elasticep::reference
