@@ -97,7 +97,8 @@ class Buffer {
     // only after every rank built its part.
     static std::shared_ptr<Buffer> create(std::shared_ptr<Group> group, const BufferConfig& config,
                                           BackendKind backend = BackendKind::kAuto);
-    // Bytes one rank reserves for a config (symmetric memory and the layout outputs).
+    // Bytes one rank reserves when built: its receive slots, combine slots and combine output.
+    // Layout outputs are allocated on first use (see `elasticep info` for their sizes).
     static size_t reservation_bytes(const BufferConfig& config, int num_ranks, BackendKind backend);
     // Whether a backend is compiled in and usable here (CUDA: a GPU is present).
     static bool backend_available(BackendKind backend);

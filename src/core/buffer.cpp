@@ -208,9 +208,12 @@ class BufferImpl {
         ELASTICEP_CHECK_ARG(st != nullptr, "combine: the handle is empty (moved from, or not made by dispatch)");
         ELASTICEP_CHECK_ARG(!st->consumed, "combine: the handle was already consumed by an earlier combine; each "
                             "dispatch's handle is single-use");
-        ELASTICEP_CHECK_ARG(st->buffer_id == buffer_id_, "combine: the handle belongs to another buffer");
+        // Released whatever happens below, also when it belongs to another buffer: that buffer's
+        // next dispatch must not be blocked forever by a handle its caller can no longer hold.
+        st->consumed = true;
+        ELASTICEP_CHECK_ARG(st->buffer_id == buffer_id_, "combine: the handle belongs to another buffer (it was "
+                            "released; that buffer can dispatch again)");
         ELASTICEP_INTERNAL(outstanding_ == st, "combine: handle is not this buffer's outstanding one");
-        st->consumed = true;  // released whatever happens below
         ensure_usable();
         const Device dev = backend_->device();
         ELASTICEP_CHECK_ARG(args.y.dtype == DType::kBFloat16, "combine: y is ", args.y.describe(), " but must be bf16");

@@ -10,8 +10,10 @@
 //   combine, epoch n, expert holder d: for each received token (s, t) forms the bf16 partial over
 //     its routes to d and writes it to comb_slots[s][d][t], then publishes comb_flag[s][d] = n;
 //   origin s waits for every comb_flag[s][*] = n and reduces in first-k destination order.
-// Slot reuse is safe without extra flags: a sender writes epoch n+1 data only after its combine n
-// saw every peer's partials, which each peer sent after it had read its epoch n messages.
+// Slot reuse: before writing epoch n+1 into d's slots a sender waits (bounded) for recv_done[d] >= n,
+// which d publishes once it has read its epoch n messages. A completed combine n already implies
+// it; the flag covers a combine that failed its argument checks on every rank (the handle is
+// released and the next dispatch may start while a slower peer is still reading).
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -42,7 +44,7 @@ struct DispatchFlag {
 struct Arena {
     Arena(int r, int c, int h, MessageLayout m)
         : num_ranks(r), capacity(c), hidden(h), msg(m), disp_flags(static_cast<size_t>(r) * r * 2),
-          comb_flags(static_cast<size_t>(r) * r) {
+          comb_flags(static_cast<size_t>(r) * r), recv_done(static_cast<size_t>(r)) {
         const size_t slots = static_cast<size_t>(r) * static_cast<size_t>(c);
         for (int d = 0; d < r; ++d) {
             disp_slots.emplace_back(slots * static_cast<size_t>(m.bytes));
@@ -55,6 +57,7 @@ struct Arena {
     std::vector<std::vector<uint16_t>> comb_slots;  // [origin][holder * C + t][H] bf16 partials
     std::vector<DispatchFlag> disp_flags;           // [receiver][sender][parity]
     std::vector<std::atomic<uint64_t>> comb_flags;  // [origin][holder]
+    std::vector<std::atomic<uint64_t>> recv_done;   // [receiver]: last epoch whose messages it has read
 
     uint8_t* slot(int d, int s, int64_t j) {
         return disp_slots[static_cast<size_t>(d)].data() +
@@ -169,7 +172,8 @@ class CpuBackend final : public BackendBuffer {
         }
         const bool reject = rejected.any();
 
-        // 1. send
+        // 1. send, once every receiver has read our previous messages
+        wait_all("dispatch", epoch - 1, [&](int d) { return arena_->recv_done[static_cast<size_t>(d)].load(std::memory_order_acquire); });
         std::vector<int64_t> sent(static_cast<size_t>(num_ranks_), 0);
         if (!reject) send_tokens(req, plan, sent);
         for (int d = 0; d < num_ranks_; ++d) {
@@ -183,13 +187,16 @@ class CpuBackend final : public BackendBuffer {
         wait_all("dispatch", epoch, [&](int s) { return arena_->dflag(rank_, s, epoch).epoch.load(std::memory_order_acquire); });
         for (int s = 0; s < num_ranks_; ++s) {
             const DispatchFlag& f = arena_->dflag(rank_, s, epoch);
-            if (f.bad.any())
+            if (f.bad.any()) {
+                arena_->recv_done[static_cast<size_t>(rank_)].store(epoch, std::memory_order_release);
                 raise(ErrorCode::kInvalidArgument,
                       cat("dispatch: ", f.sticky ? "sticky fault from an earlier graph-mode dispatch (those routes were dropped): " : "",
                           describe_bad_route(f.bad, s, cfg_.num_experts), "; no rank published outputs for this call"));
+            }
         }
         // 3. receive into the layout
         receive(req, *data, result);
+        arena_->recv_done[static_cast<size_t>(rank_)].store(epoch, std::memory_order_release);
         handle.num_sms = 0;
         handle.backend_data = data;
     }
