@@ -1,0 +1,92 @@
+// `elasticep bench`: rounds of dispatch + combine across ranks-as-threads, timed per rank and
+// verified against the oracle (src/reference/oracle.hpp) with exact equality.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "elasticep/config.hpp"
+#include "elasticep/tensor.hpp"
+
+namespace elasticep::cli {
+
+// One benchmark scenario. The defaults are the DeepSeek-V3 MoE layer shape (H=7168, 256 experts,
+// top-8, fp8 dispatch with fp32 scales per 128 channels, bf16 combine) at a token count that
+// runs with verification in well under a minute on two CPU cores.
+struct Scenario {
+    int num_ranks = 8;
+    int tokens = 128;     // tokens of the busiest rank
+    int tokens_min = -1;  // < 0: every rank has `tokens`; else spread linearly down to tokens_min
+    int capacity = 0;     // max_tokens_per_rank; 0 = tokens
+    int hidden = 7168;
+    int num_experts = 256;
+    int num_topk = 8;
+    Payload payload = Payload::kFP8;
+    ScaleFormat scale_format = ScaleFormat::kF32G128;
+    bool prequantized = false;  // fp8: hand dispatch fp8 x with scales instead of bf16 x
+    Layout layout = Layout::kExpertContiguous;
+    int alignment = 1;
+    bool host_sync = true;  // contiguous: false = graph mode (M_cap rows)
+    bool zero_padding = false;
+    bool scales_mn_major = false;
+    bool idx_int64 = true;  // topk_idx dtype
+    bool weighted = true;   // dispatch carries weights and combine applies them
+    bool bias = false;      // combine adds a per-token bias
+    double skew = 0.8;      // expert popularity ~ 1/(rank+1)^skew (0 = uniform)
+    double drop = 0.0;      // probability that a route is -1
+    BackendKind backend = BackendKind::kAuto;
+    int num_sms = 0;
+    int rounds = 5;
+    int warmup = 1;
+    uint64_t seed = 1;
+    bool verify = true;
+    int timeout_ms = 30000;
+    // Self-test of the verifier: alter one received byte of the first timed round before it is
+    // verified (1 = a dispatch row, 2 = a combine output); the run must then fail.
+    int inject_mismatch = 0;
+
+    BufferConfig buffer_config() const;
+    std::vector<int64_t> tokens_per_rank() const;
+    // Throws Error(kInvalidArgument) naming the option and the fix.
+    void validate() const;
+    std::string describe() const;  // one line, for the report header and `check`
+};
+
+struct PhaseStats {
+    std::string name;
+    std::vector<double> round_us;              // per timed round: the slowest rank's latency
+    std::vector<std::vector<double>> rank_us;  // [round][rank]
+    double median_us = 0, mean_us = 0, min_us = 0, max_us = 0;
+    int64_t peer_messages = 0, local_messages = 0;  // per round, all ranks together
+    int64_t peer_bytes = 0, local_bytes = 0;        // per round, all ranks together
+    double peer_gbps = 0;                           // peer bytes / median latency
+    double total_gbps = 0;                          // (peer + local) bytes / median latency
+    int rounds_verified = 0;
+    int rounds_failed = 0;
+};
+
+struct BenchReport {
+    Scenario scenario;
+    BackendKind backend = BackendKind::kCPU;  // resolved
+    std::vector<int64_t> tokens;              // T per rank
+    int64_t message_bytes = 0;                // one token on the wire
+    int64_t rows_received = 0;                // routes delivered per round, all ranks
+    PhaseStats dispatch, combine;
+    bool verified = false;              // verify on and every round of both phases matched
+    std::vector<std::string> failures;  // first mismatches, "round r rank d: ..."
+    double setup_s = 0, oracle_s = 0, wall_s = 0;
+};
+
+// Called after every round (warm-up included) with the round index, the total and its seconds.
+using ProgressFn = std::function<void(int round, int total, double seconds)>;
+
+// Throws Error on invalid scenarios and on library errors.
+BenchReport run_bench(const Scenario& scenario, const ProgressFn& progress = {});
+
+// The table and summary line of a report, and its JSON form (see tools/README in --help).
+std::string format_report(const BenchReport& report);
+std::string report_json(const BenchReport& report, int indent = 2);
+
+}  // namespace elasticep::cli

@@ -1,0 +1,116 @@
+# `elasticep bench --json` on tiny scenarios whose traffic is known in advance. The expected
+# numbers are computed here from the scenario alone (wire format of layout.hpp, routing facts),
+# not read from the tool.
+file(MAKE_DIRECTORY ${WORK_DIR})
+
+function(round16 out v)
+  math(EXPR r "(${v} + 15) / 16 * 16")
+  set(${out} ${r} PARENT_SCOPE)
+endfunction()
+
+function(expect_eq what got want)
+  if(NOT "${got}" STREQUAL "${want}")
+    message(FATAL_ERROR "${CURRENT_CASE}: ${what} = '${got}', want '${want}'")
+  endif()
+endfunction()
+
+# run_case(NAME name RC rc ARGS ...) -> sets JSON in the caller
+macro(run_case name want_rc)
+  set(CURRENT_CASE ${name})
+  execute_process(COMMAND ${CLI} bench ${ARGN} --json --json-out ${WORK_DIR}/${name}.json --no-progress
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE JSON ERROR_VARIABLE err)
+  if(NOT rc STREQUAL "${want_rc}")
+    message(FATAL_ERROR "${name}: exit code ${rc}, want ${want_rc}\n${JSON}\n${err}")
+  endif()
+  file(READ ${WORK_DIR}/${name}.json file_json)
+  expect_eq("--json-out file equals stdout" "${file_json}" "${JSON}")
+  message(STATUS "${name}: ok (exit ${rc})")
+endmacro()
+
+# message bytes: payload H*elem, scales cols*4, idx K*4, weights K*4, each rounded to 16, + 16 (src)
+function(message_bytes out h elem cols k)
+  math(EXPR p "${h} * ${elem}")
+  round16(p ${p})
+  math(EXPR s "${cols} * 4")
+  round16(s ${s})
+  math(EXPR i "${k} * 4")
+  round16(i ${i})
+  math(EXPR r "${p} + ${s} + 2 * ${i} + 16")
+  set(${out} ${r} PARENT_SCOPE)
+endfunction()
+
+macro(check_traffic h msg peer local routes rounds)
+  string(JSON v GET "${JSON}" message_bytes)
+  expect_eq(message_bytes ${v} ${msg})
+  string(JSON v GET "${JSON}" routes_per_round)
+  expect_eq(routes_per_round ${v} ${routes})
+  math(EXPR dpeer "${peer} * ${msg}")
+  math(EXPR dlocal "${local} * ${msg}")
+  math(EXPR cpeer "${peer} * ${h} * 2")
+  math(EXPR clocal "${local} * ${h} * 2")
+  foreach(phase dispatch combine)
+    string(JSON v GET "${JSON}" phases ${phase} peer_messages)
+    expect_eq("${phase} peer_messages" ${v} ${peer})
+    string(JSON v GET "${JSON}" phases ${phase} local_messages)
+    expect_eq("${phase} local_messages" ${v} ${local})
+    string(JSON n LENGTH "${JSON}" phases ${phase} latency_us rounds)
+    expect_eq("${phase} timed rounds" ${n} ${rounds})
+    string(JSON med GET "${JSON}" phases ${phase} latency_us median)
+    if(NOT med GREATER 0)
+      message(FATAL_ERROR "${CURRENT_CASE}: ${phase} median latency ${med} is not positive")
+    endif()
+  endforeach()
+  string(JSON v GET "${JSON}" phases dispatch peer_bytes)
+  expect_eq("dispatch peer_bytes" ${v} ${dpeer})
+  string(JSON v GET "${JSON}" phases dispatch local_bytes)
+  expect_eq("dispatch local_bytes" ${v} ${dlocal})
+  string(JSON v GET "${JSON}" phases combine peer_bytes)
+  expect_eq("combine peer_bytes" ${v} ${cpeer})
+  string(JSON v GET "${JSON}" phases combine local_bytes)
+  expect_eq("combine local_bytes" ${v} ${clocal})
+endmacro()
+
+macro(check_verified want rounds_total)
+  string(JSON v GET "${JSON}" verified)
+  expect_eq(verified "${v}" ${want})
+  if(want STREQUAL "ON")
+    foreach(phase dispatch combine)
+      string(JSON v GET "${JSON}" phases ${phase} rounds_verified)
+      expect_eq("${phase} rounds_verified" ${v} ${rounds_total})
+    endforeach()
+  endif()
+endmacro()
+
+# 1. K = E: every token goes to every rank. R=3, T=5, bf16, H=64: peers R*T*(R-1), local R*T.
+run_case(all_ranks 0 --ranks 3 --tokens 5 --hidden 64 --experts 6 --topk 6 --payload bf16 --rounds 3 --warmup 1)
+message_bytes(msg 64 2 0 6)
+check_traffic(64 ${msg} 30 15 90 3)
+check_verified(ON 4)
+
+# 2. one rank: everything is local. fp8 ue8m0_g32, H=256: 2 scale words, masked layout, int32 ids.
+run_case(one_rank 0 --ranks 1 --tokens 7 --hidden 256 --experts 4 --topk 3 --payload fp8 --scale-format ue8m0_g32
+         --layout masked --idx-dtype int32 --rounds 2 --warmup 0)
+message_bytes(msg 256 1 2 3)
+check_traffic(256 ${msg} 0 7 21 2)
+check_verified(ON 2)
+
+# 3. every route dropped: nothing moves, and the (empty) outputs still verify.
+run_case(all_dropped 0 --ranks 2 --tokens 4 --hidden 128 --experts 4 --topk 2 --payload fp8 --drop 1 --rounds 1)
+message_bytes(msg 128 1 1 2)
+check_traffic(128 ${msg} 0 0 0 1)
+check_verified(ON 2)
+
+# 4. --no-verify: verified is null, the exit code 0, timings still there.
+run_case(no_verify 0 --ranks 2 --tokens 4 --hidden 128 --experts 4 --topk 4 --payload bf16 --no-verify --rounds 2 --warmup 0)
+message_bytes(msg 128 2 0 4)
+check_traffic(128 ${msg} 8 8 32 2)
+string(JSON v TYPE "${JSON}" verified)
+expect_eq("verified type" ${v} NULL)
+
+# 5. an altered dispatch byte: exit code 1, verified false, the failure named.
+run_case(injected 1 --ranks 2 --tokens 4 --hidden 128 --experts 4 --topk 4 --payload fp8 --rounds 1 --inject-mismatch dispatch)
+check_verified(OFF 0)
+string(JSON v GET "${JSON}" failures 0)
+if(NOT v MATCHES "dispatch: recv_x row")
+  message(FATAL_ERROR "injected: first failure '${v}' does not name the recv_x row")
+endif()
