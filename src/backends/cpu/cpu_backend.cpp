@@ -1,4 +1,5 @@
-// CPU reference backend: ranks are threads of one process sharing a host arena.
+// CPU reference backend: ranks are threads of one process, or processes of one host, sharing a
+// host arena.
 //
 // Protocol (the same slot/count protocol the GPU backend uses):
 //   dispatch, epoch n, sender s:
@@ -21,6 +22,13 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "core/backend.hpp"
@@ -41,33 +49,82 @@ struct DispatchFlag {
     bool sticky = false;
 };
 
+// The arena lives in one shared mapping: anonymous memory when every rank is a thread of this
+// process, a file mapping (in /dev/shm, or $TMPDIR when /dev/shm is too small) when the ranks are
+// processes on one host. Everything inside is plain data and lock-free atomics, valid across both.
 struct Arena {
-    Arena(int r, int c, int h, MessageLayout m)
-        : num_ranks(r), capacity(c), hidden(h), msg(m), disp_flags(static_cast<size_t>(r) * r * 2),
-          comb_flags(static_cast<size_t>(r) * r), recv_done(static_cast<size_t>(r)) {
-        const size_t slots = static_cast<size_t>(r) * static_cast<size_t>(c);
-        for (int d = 0; d < r; ++d) {
-            disp_slots.emplace_back(slots * static_cast<size_t>(m.bytes));
-            comb_slots.emplace_back(slots * static_cast<size_t>(h));
-        }
+    Arena(int r, int c, int h, MessageLayout m) : num_ranks(r), capacity(c), hidden(h), msg(m) {}
+    Arena(const Arena&) = delete;
+    Arena& operator=(const Arena&) = delete;
+    ~Arena() {
+        if (base != nullptr) ::munmap(base, bytes);
     }
+
     const int num_ranks, capacity, hidden;
     const MessageLayout msg;
-    std::vector<std::vector<uint8_t>> disp_slots;   // [receiver][sender * C + j] messages
-    std::vector<std::vector<uint16_t>> comb_slots;  // [origin][holder * C + t][H] bf16 partials
-    std::vector<DispatchFlag> disp_flags;           // [receiver][sender][parity]
-    std::vector<std::atomic<uint64_t>> comb_flags;  // [origin][holder]
-    std::vector<std::atomic<uint64_t>> recv_done;   // [receiver]: last epoch whose messages it has read
+    void* base = nullptr;
+    size_t bytes = 0;
+    DispatchFlag* disp_flags = nullptr;           // [receiver][sender][parity]
+    std::atomic<uint64_t>* comb_flags = nullptr;  // [origin][holder]
+    std::atomic<uint64_t>* recv_done = nullptr;   // [receiver]: last epoch whose messages it has read
+    uint8_t* disp_base = nullptr;                 // [receiver][sender * C + j] messages
+    uint16_t* comb_base = nullptr;                // [origin][holder * C + t][H] bf16 partials
+
+    size_t slots() const { return static_cast<size_t>(num_ranks) * static_cast<size_t>(capacity); }
+    size_t flags_bytes() const {
+        const size_t r = static_cast<size_t>(num_ranks);
+        return static_cast<size_t>(
+            round_up(static_cast<int64_t>(r * r * 2 * sizeof(DispatchFlag) + (r * r + r) * sizeof(uint64_t)), 4096));
+    }
+    size_t total_bytes() const {
+        const size_t r = static_cast<size_t>(num_ranks);
+        return flags_bytes() + r * slots() * static_cast<size_t>(msg.bytes) + r * slots() * static_cast<size_t>(hidden) * 2;
+    }
+    // Points the fields into a mapping of total_bytes(); `init` constructs the flags (creator only).
+    void attach(void* mapping, bool init) {
+        base = mapping;
+        bytes = total_bytes();
+        const size_t r = static_cast<size_t>(num_ranks);
+        auto* p = static_cast<uint8_t*>(mapping);
+        disp_flags = reinterpret_cast<DispatchFlag*>(p);
+        comb_flags = reinterpret_cast<std::atomic<uint64_t>*>(p + r * r * 2 * sizeof(DispatchFlag));
+        recv_done = comb_flags + r * r;
+        if (init) {
+            for (size_t i = 0; i < r * r * 2; ++i) new (&disp_flags[i]) DispatchFlag();
+            for (size_t i = 0; i < r * r + r; ++i) new (&comb_flags[i]) std::atomic<uint64_t>(0);
+        }
+        disp_base = p + flags_bytes();
+        comb_base = reinterpret_cast<uint16_t*>(disp_base + r * slots() * static_cast<size_t>(msg.bytes));
+    }
 
     uint8_t* slot(int d, int s, int64_t j) {
-        return disp_slots[static_cast<size_t>(d)].data() +
-               (static_cast<size_t>(s) * capacity + static_cast<size_t>(j)) * static_cast<size_t>(msg.bytes);
+        return disp_base + ((static_cast<size_t>(d) * num_ranks + static_cast<size_t>(s)) * capacity +
+                            static_cast<size_t>(j)) * static_cast<size_t>(msg.bytes);
     }
+    uint16_t* comb(int origin) { return comb_base + static_cast<size_t>(origin) * slots() * static_cast<size_t>(hidden); }
     DispatchFlag& dflag(int d, int s, uint64_t epoch) {
         return disp_flags[(static_cast<size_t>(d) * num_ranks + static_cast<size_t>(s)) * 2 + (epoch & 1)];
     }
-    std::atomic<uint64_t>& cflag(int s, int d) { return comb_flags[static_cast<size_t>(s) * num_ranks + static_cast<size_t>(d)]; }
+    std::atomic<uint64_t>& cflag(int s, int d) {
+        return comb_flags[static_cast<size_t>(s) * num_ranks + static_cast<size_t>(d)];
+    }
 };
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "the arena's flags must be lock-free to work across processes");
+
+void* checked_map(void* p, const std::string& what) {
+    ELASTICEP_CHECK(p != MAP_FAILED, ErrorCode::kInternal, "CPU backend: ", what, " failed: ", std::strerror(errno));
+    return p;
+}
+
+// A file every process maps; /dev/shm when it has room (containers often give it only 64 MiB).
+std::string arena_path(const std::string& tag, size_t bytes) {
+    struct statvfs st {};
+    if (::statvfs("/dev/shm", &st) == 0 && static_cast<size_t>(st.f_bavail) * st.f_frsize > bytes + (size_t{64} << 20))
+        return "/dev/shm/elasticep-" + tag;
+    const char* tmp = std::getenv("TMPDIR");
+    return std::string(tmp && *tmp ? tmp : "/tmp") + "/elasticep-" + tag;
+}
 
 // Arenas under construction, keyed by an id rank 0 broadcasts; ranks take a reference, then
 // rank 0 drops the entry after a barrier.
@@ -105,32 +162,67 @@ class CpuBackend final : public BackendBuffer {
     explicit CpuBackend(const BackendContext& ctx)
         : ctx_(ctx), cfg_(ctx.config), rank_(ctx.rank), num_ranks_(ctx.num_ranks),
           e_local_(cfg_.num_experts / ctx.num_ranks), load_(static_cast<size_t>(e_local_), 0) {
+        auto arena = std::make_shared<Arena>(num_ranks_, cfg_.max_tokens_per_rank, cfg_.hidden, message_layout(cfg_));
+        const size_t bytes = arena->total_bytes();
+        const int64_t pid = ::getpid();
+        const auto pids = ctx.group->all_gather_value(pid);
+        const bool one_process = std::all_of(pids.begin(), pids.end(), [&](int64_t p) { return p == pid; });
+        // Rank 0 creates the arena: threads share its object through g_arenas, processes map its file.
         struct Hello {
-            int64_t pid;
             uint64_t arena_id;
+            char path[200];
         };
-        Hello me{static_cast<int64_t>(::getpid()), 0};
+        Hello me{0, {}};
+        std::string failure;
         if (rank_ == 0) {
-            me.arena_id = g_next_arena.fetch_add(1);
-            auto arena = std::make_shared<Arena>(num_ranks_, cfg_.max_tokens_per_rank, cfg_.hidden, message_layout(cfg_));
-            std::lock_guard<std::mutex> lock(g_arena_mu);
-            g_arenas[me.arena_id] = arena;
+            try {
+                if (one_process) {
+                    arena->attach(checked_map(::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0),
+                                              cat("mmap of ", bytes, " bytes")),
+                                  true);
+                    me.arena_id = g_next_arena.fetch_add(1);
+                    std::lock_guard<std::mutex> lock(g_arena_mu);
+                    g_arenas[me.arena_id] = arena;
+                } else {
+                    const std::string path = arena_path(cat(pid, "-", g_next_arena.fetch_add(1)), bytes);
+                    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+                    ELASTICEP_CHECK(fd >= 0, ErrorCode::kInternal, "CPU backend: cannot create ", path, ": ", std::strerror(errno));
+                    const bool sized = ::ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+                    void* p = sized ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+                    ::close(fd);
+                    if (p == MAP_FAILED) ::unlink(path.c_str());
+                    arena->attach(checked_map(p, cat("mapping ", bytes, " bytes of ", path)), true);
+                    std::snprintf(me.path, sizeof(me.path), "%s", path.c_str());
+                }
+            } catch (const Error& e) {
+                failure = e.message();
+            }
         }
-        const auto all = ctx.group->all_gather_value(me);
-        bool same_process = true;
-        for (const Hello& h : all) same_process = same_process && h.pid == me.pid;
-        if (same_process) {
-            std::lock_guard<std::mutex> lock(g_arena_mu);
-            arena_ = g_arenas.at(all[0].arena_id);
-        }
-        ctx.group->barrier();
+        const Hello root = ctx.group->all_gather_value(me)[0];
         if (rank_ == 0) {
+            arena_ = arena;
+        } else if (root.path[0] != '\0') {
+            const int fd = ::open(root.path, O_RDWR);
+            void* p = fd >= 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+            if (fd >= 0) ::close(fd);
+            if (p == MAP_FAILED) {
+                failure = cat("CPU backend: cannot map the arena file ", root.path, ": ", std::strerror(errno));
+            } else {
+                arena->attach(p, false);
+                arena_ = arena;
+            }
+        } else if (root.arena_id != 0) {
             std::lock_guard<std::mutex> lock(g_arena_mu);
-            g_arenas.erase(me.arena_id);
+            arena_ = g_arenas.at(root.arena_id);
         }
-        ELASTICEP_CHECK(same_process, ErrorCode::kUnsupported,
-                        "the CPU backend shares one host arena between ranks, so all ranks must be threads of one "
-                        "process (ThreadGroup); this group spans several processes");
+        ctx.group->barrier();  // every rank holds the arena now: drop the rendezvous entries
+        if (rank_ == 0 && root.path[0] != '\0') ::unlink(root.path);
+        if (rank_ == 0 && root.arena_id != 0) {
+            std::lock_guard<std::mutex> lock(g_arena_mu);
+            g_arenas.erase(root.arena_id);
+        }
+        if (arena_ == nullptr && failure.empty()) failure = "CPU backend: rank 0 could not create the shared arena";
+        ELASTICEP_CHECK(failure.empty(), ErrorCode::kInternal, failure);
     }
 
     Device device() const override { return Device{}; }
@@ -173,7 +265,7 @@ class CpuBackend final : public BackendBuffer {
         const bool reject = rejected.any();
 
         // 1. send, once every receiver has read our previous messages
-        wait_all("dispatch", epoch - 1, [&](int d) { return arena_->recv_done[static_cast<size_t>(d)].load(std::memory_order_acquire); });
+        wait_all("dispatch", epoch - 1, [&](int d) { return arena_->recv_done[d].load(std::memory_order_acquire); });
         std::vector<int64_t> sent(static_cast<size_t>(num_ranks_), 0);
         if (!reject) send_tokens(req, plan, sent);
         for (int d = 0; d < num_ranks_; ++d) {
@@ -188,7 +280,7 @@ class CpuBackend final : public BackendBuffer {
         for (int s = 0; s < num_ranks_; ++s) {
             const DispatchFlag& f = arena_->dflag(rank_, s, epoch);
             if (f.bad.any()) {
-                arena_->recv_done[static_cast<size_t>(rank_)].store(epoch, std::memory_order_release);
+                arena_->recv_done[rank_].store(epoch, std::memory_order_release);
                 raise(ErrorCode::kInvalidArgument,
                       cat("dispatch: ", f.sticky ? "sticky fault from an earlier graph-mode dispatch (those routes were dropped): " : "",
                           describe_bad_route(f.bad, s, cfg_.num_experts), "; no rank published outputs for this call"));
@@ -196,7 +288,7 @@ class CpuBackend final : public BackendBuffer {
         }
         // 3. receive into the layout
         receive(req, *data, result);
-        arena_->recv_done[static_cast<size_t>(rank_)].store(epoch, std::memory_order_release);
+        arena_->recv_done[rank_].store(epoch, std::memory_order_release);
         handle.num_sms = 0;
         handle.backend_data = data;
     }
@@ -208,7 +300,7 @@ class CpuBackend final : public BackendBuffer {
         const auto* y = static_cast<const uint16_t*>(args.y.data);
         // 1. partials on the expert-holding rank, straight into the origin's slots
         for (const auto& m : data.msgs) {
-            uint16_t* dst = arena_->comb_slots[static_cast<size_t>(m.src_rank)].data() +
+            uint16_t* dst = arena_->comb(m.src_rank) +
                             (static_cast<size_t>(rank_) * cfg_.max_tokens_per_rank + static_cast<size_t>(m.src_token)) *
                                 static_cast<size_t>(h_count);
             for (int h = 0; h < h_count; ++h) {
@@ -231,7 +323,7 @@ class CpuBackend final : public BackendBuffer {
         const int64_t out_stride = t_count > 1 ? out.stride(0) : h_count;
         const int64_t bias_stride = args.bias && t_count > 1 ? args.bias->stride(0) : h_count;
         auto* o = static_cast<uint16_t*>(out.data);
-        const auto& own = arena_->comb_slots[static_cast<size_t>(rank_)];
+        const uint16_t* own = arena_->comb(rank_);
         for (int64_t t = 0; t < t_count; ++t) {
             for (int h = 0; h < h_count; ++h) {
                 float acc = args.bias ? num::bf16_to_float(static_cast<const uint16_t*>(args.bias->data)[t * bias_stride + h]) : 0.0f;
