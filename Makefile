@@ -17,7 +17,7 @@ deps:
 	@bash scripts/deps.sh
 
 configure: deps
-	@$(CMAKE) -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS) > $(BUILD).configure.log 2>&1 \
+	@$(CMAKE) -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DELASTICEP_BUILD_PYTHON=ON $(CMAKE_ARGS) > $(BUILD).configure.log 2>&1 \
 		|| { cat $(BUILD).configure.log; exit 1; }
 	@grep -E "ElasticEP" $(BUILD).configure.log || true
 

@@ -24,7 +24,7 @@ fi
 # Python packages for the Python bindings and their tests (skipped gracefully by the tests if absent).
 PY=${PYTHON:-python3}
 py_need=()
-for mod in numpy pytest nanobind scikit_build_core; do
+for mod in numpy pytest nanobind scikit_build_core ml_dtypes; do
     "$PY" -c "import $mod" 2>/dev/null || py_need+=("${mod//_/-}")
 done
 if ! "$(dirname "$0")/find-cmake.sh" >/dev/null 2>&1; then py_need+=("cmake>=3.28"); fi

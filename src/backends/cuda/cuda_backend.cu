@@ -1,19 +1,563 @@
-// CUDA intranode backend entry points. The kernels arrive with the CUDA backend issue; until then
-// asking for backend=cuda explicitly fails with a clear Unsupported error, and backend=auto uses
-// the CPU backend (see Buffer::resolve_backend).
+// CUDA intranode backend, direct topology: every rank writes straight into every peer's receive
+// region (same-process pointers, peer access between GPUs, or CUDA IPC between processes).
+// The protocol is the CPU backend's (src/backends/cpu/cpu_backend.cpp), so results are the same
+// bytes; src/kernels/intranode/*.cuh hold the kernels and their index contracts.
+//
+// One call, on the caller's stream (or the buffer's own non-blocking stream, synchronously):
+//   dispatch: plan -> send -> exchange (publish + bounded wait) -> [host_sync: D2H read of M and
+//             the status word] -> expand.  Graph mode reads nothing on the host.
+//   combine:  partial (holder writes into origin) -> publish (bounded wait) -> reduce (origin).
+// The epoch lives on the device, so a captured graph replays with fresh epochs.
+// stream == nullptr: the call runs on the buffer's own non-blocking stream and synchronises it
+// before returning. Buffer-owned outputs are allocated (stream-ordered) at the first call of each
+// layout shape: warm up before capturing a graph. Ranks in other processes map each other's region
+// through CUDA IPC handles exchanged by the Group (written, not yet exercised by a test).
+//
+// Several ranks on one GPU (threads of one process): each rank's kernels wait on the others', so
+// they must not share a hardware queue. CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS queues
+// (default 8); with more live streams than that, a rank's launch can queue behind a peer's waiting
+// kernel and the call times out. Set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts when several
+// ranks share a GPU (the gpu tests and tools/device-check do).
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <set>
+#include <string>
+#include <vector>
+
 #include "core/backend.hpp"
 #include "core/check.hpp"
+#include "core/layout.hpp"
+#include "core/outputs.hpp"
+#include "core/routing.hpp"
+#include "kernels/intranode/combine.cuh"
+#include "kernels/intranode/dispatch.cuh"
 
 namespace elasticep::detail {
 
-bool cuda_backend_ready() { return false; }
+bool cuda_backend_ready() { return true; }
 
-std::unique_ptr<BackendBuffer> make_cuda_backend(const BackendContext&) {
-    raise(ErrorCode::kUnsupported, "the CUDA dispatch/combine kernels are not part of this build yet; use backend=cpu");
+namespace {
+
+using kernels::HostRecord;
+using kernels::RegionLayout;
+using kernels::RouteStatus;
+using kernels::Workspace;
+
+#define ELASTICEP_CUDA_CALL(expr)                                                                        \
+    do {                                                                                                 \
+        const cudaError_t err_ = (expr);                                                                 \
+        if (err_ != cudaSuccess)                                                                         \
+            ::elasticep::detail::raise(::elasticep::ErrorCode::kCuda,                                    \
+                                       ::elasticep::detail::cat(#expr, " failed: ", cudaGetErrorString(err_))); \
+    } while (0)
+
+MessageLayout message_layout(const BufferConfig& c) {
+    const bool fp8 = c.payload == Payload::kFP8;
+    return MessageLayout::make(c.hidden, c.num_topk, fp8 ? 1 : 2, fp8 ? scale_columns(c.scale_format, c.hidden) : 0);
 }
 
-size_t cuda_reservation_bytes(const BufferConfig&, int) {
-    raise(ErrorCode::kUnsupported, "the CUDA dispatch/combine kernels are not part of this build yet; use backend=cpu");
+RegionLayout region_layout(const BufferConfig& c, int r) {
+    return RegionLayout::make(r, c.max_tokens_per_rank, c.num_topk, c.num_experts / r, c.hidden, message_layout(c).bytes);
+}
+
+// Workspace pieces carved from one allocation.
+struct WorkspaceLayout {
+    size_t pos_in_expert, slot_of, clean_idx, expert_count, dest_count, status, bad_key, epoch, state, recv_count, base, counts,
+        start, recv_rows, load, peers, bytes;
+    static WorkspaceLayout make(const BufferConfig& c, int r) {
+        WorkspaceLayout w{};
+        size_t at = 0;
+        auto take = [&at](size_t n) {
+            const size_t o = at;
+            at = (at + n + 255) / 256 * 256;
+            return o;
+        };
+        const size_t cap = static_cast<size_t>(c.max_tokens_per_rank), k = static_cast<size_t>(c.num_topk);
+        const size_t el = static_cast<size_t>(c.num_experts / r), rr = static_cast<size_t>(r);
+        w.pos_in_expert = take(cap * k * 4);
+        w.slot_of = take(cap * rr * 4);
+        w.clean_idx = take(cap * k * 4);
+        w.expert_count = take(static_cast<size_t>(c.num_experts) * 4);
+        w.dest_count = take(rr * 4);
+        w.status = take(sizeof(RouteStatus));
+        w.bad_key = take(8);
+        w.epoch = take(8);
+        w.state = take(16);
+        w.recv_count = take(rr * 4);
+        w.base = take(rr * el * 4);
+        w.counts = take(el * 4);
+        w.start = take((el + 1) * 4);
+        w.recv_rows = take(rr * cap * k * 4);
+        w.load = take(el * 8);
+        w.peers = take(rr * 8);
+        w.bytes = at;
+        return w;
+    }
+};
+
+struct DevStorage {
+    void* ptr = nullptr;
+    size_t bytes = 0;
+    std::vector<void*>* graveyard = nullptr;
+    // Grows only, stream-ordered: a plain cudaMalloc may wait for the device while a peer's kernel
+    // waits for this rank (several ranks on one GPU); the old block is freed with the buffer.
+    void* reserve(size_t n, cudaStream_t stream) {
+        n = std::max<size_t>(n, 256);
+        if (n > bytes) {
+            void* p = nullptr;
+            ELASTICEP_CUDA_CALL(cudaMallocAsync(&p, n, stream));
+            if (ptr) graveyard->push_back(ptr);
+            ptr = p;
+            bytes = n;
+        }
+        return ptr;
+    }
+};
+
+struct Hello {
+    int64_t pid;
+    int32_t device;
+    int32_t pad;
+    char uuid[16];
+    uint64_t region;
+    cudaIpcMemHandle_t ipc;
+};
+
+constexpr int kMaxRanks = 64;
+
+class CudaBackend final : public BackendBuffer {
+   public:
+    explicit CudaBackend(const BackendContext& ctx)
+        : cfg_(ctx.config), rank_(ctx.rank), num_ranks_(ctx.num_ranks), e_local_(cfg_.num_experts / ctx.num_ranks) {
+        ELASTICEP_CHECK(e_local_ <= 1024, ErrorCode::kUnsupported, "the CUDA backend supports at most 1024 local "
+                        "experts per rank; this config has ", e_local_);
+        ELASTICEP_CHECK(num_ranks_ <= kMaxRanks, ErrorCode::kUnsupported, "the CUDA direct topology supports at most ",
+                        kMaxRanks, " ranks; this group has ", num_ranks_, " (use topology=hybrid)");
+        if (cfg_.device >= 0) {
+            dev_ = cfg_.device;
+        } else {
+            ELASTICEP_CUDA_CALL(cudaGetDevice(&dev_));
+        }
+        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+        cudaDeviceProp prop{};
+        ELASTICEP_CUDA_CALL(cudaGetDeviceProperties(&prop, dev_));
+        device_sms_ = prop.multiProcessorCount;
+        msg_ = message_layout(cfg_);
+        region_ = region_layout(cfg_, num_ranks_);
+        wl_ = WorkspaceLayout::make(cfg_, num_ranks_);
+
+        ELASTICEP_CUDA_CALL(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+        ELASTICEP_CUDA_CALL(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
+        ELASTICEP_CUDA_CALL(cudaMalloc(&region_ptr_, static_cast<size_t>(region_.bytes)));
+        ELASTICEP_CUDA_CALL(cudaMemsetAsync(region_ptr_, 0, static_cast<size_t>(region_.bytes), own_stream_));
+        ELASTICEP_CUDA_CALL(cudaMalloc(&ws_ptr_, wl_.bytes));
+        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, wl_.bytes, own_stream_));
+        ELASTICEP_CUDA_CALL(cudaMalloc(&out_ptr_, std::max<size_t>(256, static_cast<size_t>(cfg_.max_tokens_per_rank) *
+                                                                          static_cast<size_t>(cfg_.hidden) * 2)));
+        ELASTICEP_CUDA_CALL(cudaHostAlloc(reinterpret_cast<void**>(&rec_), sizeof(HostRecord),
+                                          cudaHostAllocMapped | cudaHostAllocPortable));
+        std::memset(static_cast<void*>(rec_), 0, sizeof(HostRecord));
+        ELASTICEP_CUDA_CALL(cudaHostGetDevicePointer(reinterpret_cast<void**>(&rec_dev_), rec_, 0));
+
+        // exchange region addresses
+        Hello me{};
+        me.pid = static_cast<int64_t>(::getpid());
+        me.device = dev_;
+        std::memcpy(me.uuid, &prop.uuid, 16);
+        me.region = reinterpret_cast<uint64_t>(region_ptr_);
+        if (cudaIpcGetMemHandle(&me.ipc, region_ptr_) != cudaSuccess) cudaGetLastError();  // only needed across processes
+        const auto all = ctx.group->all_gather_value(me);
+        std::vector<uint8_t*> peers(static_cast<size_t>(num_ranks_));
+        ranks_on_gpu_ = 0;
+        for (int p = 0; p < num_ranks_; ++p) {
+            const Hello& h = all[static_cast<size_t>(p)];
+            if (std::memcmp(h.uuid, me.uuid, 16) == 0) ++ranks_on_gpu_;
+            else remote_gpu_ = true;
+            if (h.pid == me.pid) {
+                peers[static_cast<size_t>(p)] = reinterpret_cast<uint8_t*>(h.region);
+                if (h.device != dev_) {
+                    int can = 0;
+                    ELASTICEP_CUDA_CALL(cudaDeviceCanAccessPeer(&can, dev_, h.device));
+                    ELASTICEP_CHECK(can, ErrorCode::kUnsupported, "rank ", rank_, " on GPU ", dev_, " cannot access GPU ",
+                                    h.device, " of rank ", p, " (no peer access); the direct topology needs NVLink "
+                                    "or PCIe peer access between all ranks' GPUs");
+                    const cudaError_t e = cudaDeviceEnablePeerAccess(h.device, 0);
+                    if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+                    else ELASTICEP_CUDA_CALL(e);
+                }
+            } else {
+                void* mapped = nullptr;
+                ELASTICEP_CUDA_CALL(cudaIpcOpenMemHandle(&mapped, h.ipc, cudaIpcMemLazyEnablePeerAccess));
+                opened_.push_back(mapped);
+                peers[static_cast<size_t>(p)] = static_cast<uint8_t*>(mapped);
+            }
+        }
+        ws_ = carve();
+        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.bad_key, 0xff, 8, own_stream_));
+        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(ws_.peers, peers.data(), peers.size() * sizeof(uint8_t*),
+                                            cudaMemcpyHostToDevice, own_stream_));
+        // load every kernel now: lazy loading mid-protocol could stall a context while peers spin
+        cudaFuncAttributes attr{};
+        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::plan_kernel));
+        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::send_kernel));
+        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::exchange_kernel));
+        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::expand_kernel));
+        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::partial_kernel));
+        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::publish_kernel));
+        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::reduce_kernel));
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+
+        // SM count: explicit, or a bandwidth model of the link
+        if (cfg_.num_sms > 0) num_sms_ = std::min(cfg_.num_sms, device_sms_);
+        else if (ranks_on_gpu_ > 1) num_sms_ = std::max(1, device_sms_ / ranks_on_gpu_);  // HBM shared by R ranks
+        else if (remote_gpu_) num_sms_ = std::min(24, device_sms_);  // NVLink: ~24 SMs saturate the link
+        else num_sms_ = device_sms_;
+        for (DevStorage* s : {&x_st_, &sc_st_, &w_st_, &src_st_, &mi_st_}) s->graveyard = &graveyard_;
+    }
+
+    ~CudaBackend() override {
+        cudaSetDevice(dev_);
+        cudaStreamSynchronize(own_stream_);
+        if (has_event_) cudaEventSynchronize(last_event_);
+        for (void* p : opened_) cudaIpcCloseMemHandle(p);
+        // stream-ordered allocations go back the way they came
+        for (void* p : graveyard_) cudaFreeAsync(p, own_stream_);
+        for (DevStorage* s : {&x_st_, &sc_st_, &w_st_, &src_st_, &mi_st_})
+            if (s->ptr) cudaFreeAsync(s->ptr, own_stream_);
+        cudaStreamSynchronize(own_stream_);
+        cudaFree(out_ptr_);
+        cudaFree(ws_ptr_);
+        cudaFree(region_ptr_);
+        cudaFreeHost(rec_);
+        cudaEventDestroy(last_event_);
+        cudaStreamDestroy(own_stream_);
+    }
+
+    Device device() const override { return Device{DeviceType::kCUDA, dev_}; }
+    size_t reserved_bytes() const override { return cuda_reservation_bytes(cfg_, num_ranks_); }
+
+    std::vector<int64_t> expert_load() override {
+        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+        sync_last();
+        std::vector<int64_t> v(static_cast<size_t>(e_local_));
+        ELASTICEP_CUDA_CALL(cudaMemcpy(v.data(), ws_.load, v.size() * 8, cudaMemcpyDeviceToHost));
+        return v;
+    }
+    void reset_expert_load() override {
+        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+        sync_last();
+        ELASTICEP_CUDA_CALL(cudaMemset(ws_.load, 0, static_cast<size_t>(e_local_) * 8));
+    }
+
+    void check() override {
+        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+        sync_last();
+        raise_timeout();
+        volatile RouteStatus* s = &rec_->sticky;
+        if (s->kind != 0) {
+            BadRoute b{s->kind, s->token, s->k, s->dup_of, s->value};
+            s->kind = 0;
+            raise(ErrorCode::kInvalidArgument, "sticky fault from an earlier graph-mode dispatch: " +
+                                                   describe_bad_route(b, rank_, cfg_.num_experts) +
+                                                   " (those routes were dropped)");
+        }
+    }
+
+    void dispatch(const DispatchRequest& req, HandleState& handle, DispatchResult& result) override {
+        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+        raise_timeout();
+        const DispatchArgs& a = *req.args;
+        cudaStream_t stream = a.stream ? static_cast<cudaStream_t>(a.stream) : own_stream_;
+        const bool fp8 = cfg_.payload == Payload::kFP8;
+        const int scols = fp8 ? scale_columns(cfg_.scale_format, cfg_.hidden) : 0;
+        const bool contiguous = a.layout == Layout::kExpertContiguous;
+        const int64_t rc = int64_t{num_ranks_} * cfg_.max_tokens_per_rank;
+        const int64_t t_count = req.num_tokens;
+
+        kernels::DispatchParams p{};
+        p.sh = shape();
+        p.ws = ws_;
+        p.my_region = static_cast<uint8_t*>(region_ptr_);
+        p.rec = rec_dev_;
+        p.timeout_ns = static_cast<uint64_t>(cfg_.timeout.count()) * 1000000ull;
+        p.num_tokens = static_cast<int>(t_count);
+        p.x = a.x.data;
+        const int xelem = static_cast<int>(dtype_size(a.x.dtype));
+        p.x_stride = t_count > 1 ? a.x.stride(0) : cfg_.hidden;
+        p.x_aligned = reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0 && (p.x_stride * xelem) % 16 == 0;
+        p.x_scales = a.x_scales ? static_cast<const uint32_t*>(a.x_scales->data) : nullptr;
+        p.xs_stride = a.x_scales && t_count > 1 ? a.x_scales->stride(0) : scols;
+        p.idx = a.topk_idx.data;
+        p.idx64 = a.topk_idx.dtype == DType::kInt64;
+        p.idx_stride = t_count > 1 ? a.topk_idx.stride(0) : cfg_.num_topk;
+        p.weights = a.topk_weights ? static_cast<const float*>(a.topk_weights->data) : nullptr;
+        p.w_stride = a.topk_weights && t_count > 1 ? a.topk_weights->stride(0) : cfg_.num_topk;
+        p.fp8 = fp8;
+        p.quantize = req.quantize;
+        p.prequantized = req.prequantized;
+        p.f32_scales = cfg_.scale_format == ScaleFormat::kF32G128;
+        p.group = scale_group_size(cfg_.scale_format);
+        p.num_groups = fp8 ? cfg_.hidden / p.group : 0;
+        p.scale_cols = scols;
+        p.contiguous = contiguous;
+        p.host_sync = a.host_sync;  // masked too: the CPU backend rejects bad routes synchronously then
+        p.zero_padding = a.zero_padding;
+        p.alignment = contiguous ? a.expert_alignment : 1;
+
+        // outputs: caller-provided (fixed worst-case shape) or buffer-owned (sized for the worst case)
+        const auto cap_specs = dispatch_output_specs(cfg_, num_ranks_, a.layout, req.rows_cap, a.scales_mn_major);
+        auto ptr_of = [&](const std::optional<TensorRef>& given, const OutputSpec& cap, DevStorage& st) -> void* {
+            if (given) {
+                ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(given->data) % 16 == 0,
+                                    "caller-provided dispatch output at ", given->data,
+                                    " must be 16-byte aligned for the CUDA backend");
+                return given->data;
+            }
+            return st.reserve(static_cast<size_t>(cap.storage_elems) * dtype_size(cap.dtype), stream);
+        };
+        void* rx = ptr_of(a.outputs.recv_x, cap_specs.recv_x, x_st_);
+        void* rw = ptr_of(a.outputs.recv_weights, cap_specs.recv_weights, w_st_);
+        void* rs = ptr_of(a.outputs.recv_src, cap_specs.recv_src, src_st_);
+        void* rsc = fp8 ? ptr_of(a.outputs.recv_scales, *cap_specs.recv_scales, sc_st_) : nullptr;
+        void* mi = contiguous ? ptr_of(a.outputs.m_indices, *cap_specs.m_indices, mi_st_) : nullptr;
+        p.rx = static_cast<uint8_t*>(rx);
+        p.rw = static_cast<float*>(rw);
+        p.rs = static_cast<int32_t*>(rs);
+        p.rsc = static_cast<uint32_t*>(rsc);
+        p.mi = static_cast<int32_t*>(mi);
+
+        const int grid = 2 * num_sms_;
+        kernels::plan_kernel<<<cfg_.num_experts + num_ranks_ + kernels::kStatusBlocks, kernels::kThreads, 0, stream>>>(p);
+        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        kernels::send_kernel<<<grid, kernels::kThreads, 0, stream>>>(p);
+        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        kernels::exchange_kernel<<<1, 256, 0, stream>>>(p);
+        ELASTICEP_CUDA_CALL(cudaGetLastError());
+
+        int64_t rows_out = contiguous ? req.rows_cap : rc;
+        if (p.host_sync) {
+            ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
+            raise_timeout();
+            const volatile HostRecord* r = rec_;
+            if (r->bad_sender >= 0) {
+                const BadRoute b{r->bad.kind, r->bad.token, r->bad.k, r->bad.dup_of, r->bad.value};
+                raise(ErrorCode::kInvalidArgument,
+                      cat("dispatch: ", r->bad.sticky ? "sticky fault from an earlier graph-mode dispatch (those routes "
+                                                        "were dropped): " : "",
+                          describe_bad_route(b, r->bad_sender, cfg_.num_experts),
+                          "; no rank published outputs for this call"));
+            }
+            if (contiguous) rows_out = r->num_rows;
+        }
+        const auto specs = dispatch_output_specs(cfg_, num_ranks_, a.layout, rows_out, a.scales_mn_major);
+        const Device dev = device();
+        auto bind = [&](const std::optional<TensorRef>& given, const OutputSpec& cap, const OutputSpec& spec, void* ptr) {
+            TensorRef t = spec.bind(ptr, dev);
+            if (given) t.strides = cap.strides;
+            return t;
+        };
+        result.recv_x = bind(a.outputs.recv_x, cap_specs.recv_x, specs.recv_x, rx);
+        result.recv_weights = bind(a.outputs.recv_weights, cap_specs.recv_weights, specs.recv_weights, rw);
+        result.recv_src = bind(a.outputs.recv_src, cap_specs.recv_src, specs.recv_src, rs);
+        if (fp8) result.recv_scales = bind(a.outputs.recv_scales, *cap_specs.recv_scales, *specs.recv_scales, rsc);
+        if (contiguous) result.m_indices = bind(a.outputs.m_indices, *cap_specs.m_indices, *specs.m_indices, mi);
+        result.counts = TensorRef::contiguous(ws_.counts, DType::kInt32, {e_local_}, dev);
+        if (contiguous) {
+            result.offsets = TensorRef::contiguous(ws_.start, DType::kInt32, {e_local_ + 1}, dev);
+            result.num_rows = p.host_sync ? rows_out : -1;
+        } else {
+            result.masked_m = result.counts;
+        }
+        p.rows_out = rows_out;
+        if (fp8) {
+            const auto& st = result.recv_scales->strides;
+            p.sst0 = st[0];
+            p.sst1 = st[1];
+            p.sst2 = st.size() > 2 ? st[2] : 0;
+        }
+        kernels::expand_kernel<<<grid, kernels::kThreads, 0, stream>>>(p);
+        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        finish(stream, a.stream == nullptr);
+        handle.num_sms = num_sms_;
+        handle.backend_data = nullptr;
+    }
+
+    TensorRef combine(HandleState& handle, const CombineArgs& args) override {
+        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+        raise_timeout();
+        cudaStream_t stream = args.stream ? static_cast<cudaStream_t>(args.stream) : own_stream_;
+        const int64_t t_count = handle.num_tokens;
+        kernels::CombineParams p{};
+        p.sh = shape();
+        p.ws = ws_;
+        p.my_region = static_cast<uint8_t*>(region_ptr_);
+        p.rec = rec_dev_;
+        p.timeout_ns = static_cast<uint64_t>(cfg_.timeout.count()) * 1000000ull;
+        p.num_tokens = static_cast<int>(t_count);
+        p.y = static_cast<const uint16_t*>(args.y.data);
+        ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(args.y.data) % 16 == 0, "combine: y must be 16-byte aligned for "
+                            "the CUDA backend");
+        p.weighted = args.weighted;
+        if (args.bias) {
+            p.bias = static_cast<const uint16_t*>(args.bias->data);
+            p.bias_stride = t_count > 1 ? args.bias->stride(0) : cfg_.hidden;
+            ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(p.bias) % 16 == 0 && p.bias_stride % 8 == 0,
+                                "combine: bias rows must be 16-byte aligned for the CUDA backend (row stride a "
+                                "multiple of 8)");
+        }
+        TensorRef out = args.out ? *args.out
+                                 : TensorRef::contiguous(out_ptr_, DType::kBFloat16, {t_count, cfg_.hidden}, device());
+        p.out = static_cast<uint16_t*>(out.data);
+        p.out_stride = t_count > 1 ? out.stride(0) : cfg_.hidden;
+        ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_stride % 8 == 0,
+                            "combine: out rows must be 16-byte aligned for the CUDA backend (row stride a multiple of 8)");
+        const int sms = handle.num_sms > 0 ? handle.num_sms : num_sms_;
+        kernels::partial_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
+        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        kernels::publish_kernel<<<1, 32, 0, stream>>>(p);
+        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        kernels::reduce_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
+        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        finish(stream, args.stream == nullptr);
+        if (args.stream == nullptr) raise_timeout();
+        return out;
+    }
+
+   private:
+    kernels::Shape shape() const {
+        kernels::Shape s{};
+        s.rank = rank_;
+        s.num_ranks = num_ranks_;
+        s.num_experts = cfg_.num_experts;
+        s.e_local = e_local_;
+        s.num_topk = cfg_.num_topk;
+        s.hidden = cfg_.hidden;
+        s.capacity = cfg_.max_tokens_per_rank;
+        s.msg = msg_;
+        s.region = region_;
+        return s;
+    }
+
+    Workspace carve() {
+        auto* b = static_cast<uint8_t*>(ws_ptr_);
+        Workspace w{};
+        w.pos_in_expert = reinterpret_cast<int32_t*>(b + wl_.pos_in_expert);
+        w.slot_of = reinterpret_cast<int32_t*>(b + wl_.slot_of);
+        w.clean_idx = reinterpret_cast<int32_t*>(b + wl_.clean_idx);
+        w.expert_count = reinterpret_cast<int32_t*>(b + wl_.expert_count);
+        w.dest_count = reinterpret_cast<int32_t*>(b + wl_.dest_count);
+        w.status = reinterpret_cast<RouteStatus*>(b + wl_.status);
+        w.bad_key = reinterpret_cast<unsigned long long*>(b + wl_.bad_key);
+        w.epoch = reinterpret_cast<uint64_t*>(b + wl_.epoch);
+        w.state = reinterpret_cast<int32_t*>(b + wl_.state);
+        w.recv_count = reinterpret_cast<int32_t*>(b + wl_.recv_count);
+        w.base = reinterpret_cast<int32_t*>(b + wl_.base);
+        w.counts = reinterpret_cast<int32_t*>(b + wl_.counts);
+        w.start = reinterpret_cast<int32_t*>(b + wl_.start);
+        w.recv_rows = reinterpret_cast<int32_t*>(b + wl_.recv_rows);
+        w.load = reinterpret_cast<int64_t*>(b + wl_.load);
+        w.peers = reinterpret_cast<uint8_t**>(b + wl_.peers);
+        return w;
+    }
+
+    void finish(cudaStream_t stream, bool synchronous) {
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        ELASTICEP_CUDA_CALL(cudaStreamIsCapturing(stream, &capture));
+        if (capture != cudaStreamCaptureStatusNone) return;  // replays are the caller's to synchronise
+        ELASTICEP_CUDA_CALL(cudaEventRecord(last_event_, stream));
+        has_event_ = true;
+        if (synchronous) ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
+    }
+
+    void sync_last() {
+        if (has_event_) ELASTICEP_CUDA_CALL(cudaEventSynchronize(last_event_));
+    }
+
+    void raise_timeout() {
+        const volatile HostRecord* r = rec_;
+        if (r->timeout_phase == kernels::kPhaseNone) return;
+        const char* phase = r->timeout_phase == kernels::kPhaseDispatch ? "dispatch" : "combine";
+        std::string missing;
+        for (int q = 0; q < num_ranks_ && q < 64; ++q)
+            if (r->timeout_missing & (uint64_t{1} << q)) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
+        raise(ErrorCode::kTimeout,
+              cat(phase, ": rank ", rank_, " waited ", cfg_.timeout.count(), " ms for rank(s) ", missing,
+                  " (expected call #", r->timeout_expected, ", last seen #", r->timeout_observed, "); a peer did not call ",
+                  phase, " or is stuck. This buffer is unusable now: rebuild it"));
+    }
+
+    BufferConfig cfg_;
+    int rank_, num_ranks_, e_local_;
+    int dev_ = 0, device_sms_ = 0, num_sms_ = 1, ranks_on_gpu_ = 1;
+    bool remote_gpu_ = false;
+    MessageLayout msg_;
+    RegionLayout region_;
+    WorkspaceLayout wl_;
+    Workspace ws_{};
+    cudaStream_t own_stream_ = nullptr;
+    cudaEvent_t last_event_ = nullptr;
+    bool has_event_ = false;
+    void* region_ptr_ = nullptr;
+    void* ws_ptr_ = nullptr;
+    void* out_ptr_ = nullptr;
+    HostRecord* rec_ = nullptr;
+    HostRecord* rec_dev_ = nullptr;
+    std::vector<void*> opened_;
+    std::vector<void*> graveyard_;
+    DevStorage x_st_, sc_st_, w_st_, src_st_, mi_st_;
+};
+
+}  // namespace
+
+std::unique_ptr<BackendBuffer> make_cuda_backend(const BackendContext& ctx) { return std::make_unique<CudaBackend>(ctx); }
+
+size_t cuda_reservation_bytes(const BufferConfig& c, int num_ranks) {
+    // the symmetric region, the workspace and the combine output; buffer-owned dispatch outputs
+    // are allocated at the first call of each layout, for its worst case
+    return static_cast<size_t>(region_layout(c, num_ranks).bytes) + WorkspaceLayout::make(c, num_ranks).bytes +
+           static_cast<size_t>(c.max_tokens_per_rank) * static_cast<size_t>(c.hidden) * 2;
+}
+
+}  // namespace elasticep::detail
+
+// ---------------------------------------------------------------------------------------------
+// Self-check: hardware E4M3 conversion against the reference arithmetic, all 2^32 inputs.
+namespace elasticep::detail {
+namespace {
+__global__ void e4m3_check_kernel(unsigned long long* count, uint32_t* first) {
+    const uint64_t n = uint64_t{1} << 32;
+    for (uint64_t i = (uint64_t{blockIdx.x} * blockDim.x + threadIdx.x) * 2; i < n;
+         i += uint64_t{gridDim.x} * blockDim.x * 2) {
+        const float a = __uint_as_float(static_cast<uint32_t>(i)), b = __uint_as_float(static_cast<uint32_t>(i + 1));
+        const uint16_t hw = kernels::e4m3x2(a, b);
+        const uint16_t ref = static_cast<uint16_t>(num::float_to_e4m3(a) | (num::float_to_e4m3(b) << 8));
+        if (hw != ref) {
+            const uint32_t bad = (hw & 0xff) != (ref & 0xff) ? static_cast<uint32_t>(i) : static_cast<uint32_t>(i + 1);
+            atomicMin(first, bad);
+            atomicAdd(count, ((hw & 0xff) != (ref & 0xff)) + ((hw >> 8) != (ref >> 8)));
+        }
+    }
+}
+}  // namespace
+
+uint64_t cuda_e4m3_mismatches(uint32_t* first) {
+    unsigned long long* count = nullptr;
+    uint32_t* f = nullptr;
+    ELASTICEP_CUDA_CALL(cudaMalloc(&count, 8));
+    ELASTICEP_CUDA_CALL(cudaMalloc(&f, 4));
+    ELASTICEP_CUDA_CALL(cudaMemset(count, 0, 8));
+    ELASTICEP_CUDA_CALL(cudaMemset(f, 0xff, 4));
+    e4m3_check_kernel<<<1024, 256>>>(count, f);
+    ELASTICEP_CUDA_CALL(cudaGetLastError());
+    unsigned long long c = 0;
+    ELASTICEP_CUDA_CALL(cudaMemcpy(&c, count, 8, cudaMemcpyDeviceToHost));
+    ELASTICEP_CUDA_CALL(cudaMemcpy(first, f, 4, cudaMemcpyDeviceToHost));
+    cudaFree(count);
+    cudaFree(f);
+    return c;
 }
 
 }  // namespace elasticep::detail
