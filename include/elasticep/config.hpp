@@ -64,6 +64,8 @@ struct BufferConfig {
     void validate(int num_ranks) const;
     // Identity of the config for the buffer registry (every field above).
     std::string key() const;
+    // What every rank of a group must agree on: every field but `device`, which is per rank.
+    std::string group_key() const;
     std::string describe() const;
 
     int num_local_experts(int num_ranks) const { return num_experts / num_ranks; }

@@ -3,6 +3,9 @@
 #include <atomic>
 #include <map>
 #include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
 #include <unistd.h>
 
 #include "core/backend.hpp"
@@ -42,10 +45,13 @@ void check_device(const TensorRef& t, Device device, const char* name) {
 }
 
 // Rows may be strided (a slice of a bigger tensor); elements inside a row must be contiguous.
+// A tensor with no rows has no elements to address, so its strides say nothing (numpy reports
+// (0, 0) for some empty arrays) and are not checked: a rank with 0 tokens is legal.
 void check_matrix(const TensorRef& t, const char* name, int64_t rows, int64_t cols, Device device) {
     ELASTICEP_CHECK_ARG(t.ndim() == 2 && t.size(0) == rows && t.size(1) == cols, name, " is ", t.describe(),
                         " but must be [", rows, ", ", cols, "]");
     check_device(t, device, name);
+    if (rows == 0) return;
     ELASTICEP_CHECK_ARG(cols <= 1 || t.stride(1) == 1, name, " is ", t.describe(),
                         ": its last dimension must be contiguous (stride 1); call .contiguous() first");
     ELASTICEP_CHECK_ARG(rows <= 1 || t.stride(0) >= cols, name, " is ", t.describe(),
@@ -68,7 +74,7 @@ class BufferImpl {
         config.validate(group->size());
         const BackendKind kind = Buffer::resolve_backend(requested);
         // Every rank must agree on the config and backend, or the symmetric layout is wrong.
-        const std::string key = config.key() + "/" + backend_name(kind);
+        const std::string key = config.group_key() + "/" + backend_name(kind);
         const uint64_t h = std::hash<std::string>{}(key);
         const auto hashes = group->all_gather_value(h);
         for (int r = 0; r < group->size(); ++r)
@@ -79,18 +85,29 @@ class BufferImpl {
         auto impl = std::make_unique<BufferImpl>(group, config, kind);
         impl->buffer_id_ = g_next_buffer_id.fetch_add(1);
         BackendContext ctx{group, config, impl->rank_, impl->num_ranks_, impl->buffer_id_};
-        // Build locally, then agree that every rank succeeded before anyone publishes.
+        // Build locally, then agree that every rank succeeded before anyone publishes. A rank whose
+        // backend failed raises the backend's own code (Unsupported, Cuda, InvalidArgument, ...);
+        // ranks that succeeded raise Internal naming the ranks that failed.
         std::string failure;
+        ErrorCode failure_code = ErrorCode::kInternal;
         try {
             impl->backend_ = kind == BackendKind::kCUDA ? make_cuda_backend(ctx) : make_cpu_backend(ctx);
         } catch (const Error& e) {
+            failure = e.message();
+            failure_code = e.code();
+        } catch (const std::bad_alloc&) {
+            failure = "out of host memory building the " + std::string(backend_name(kind)) + " backend (" +
+                      config.describe() + "); lower max_tokens_per_rank or hidden";
+        } catch (const std::exception& e) {
             failure = e.what();
         }
         const auto ok = group->all_gather_value(static_cast<int>(failure.empty()));
-        if (!failure.empty()) throw Error(ErrorCode::kInternal, "Buffer::create failed on this rank: " + failure);
+        if (!failure.empty()) throw Error(failure_code, "Buffer::create failed on this rank: " + failure);
+        std::string failed_ranks;
         for (int r = 0; r < group->size(); ++r)
-            ELASTICEP_CHECK(ok[static_cast<size_t>(r)], ErrorCode::kInternal, "Buffer::create failed on rank ", r,
-                            " (see that rank's error); nothing was published");
+            if (!ok[static_cast<size_t>(r)]) failed_ranks += (failed_ranks.empty() ? "" : ", ") + std::to_string(r);
+        ELASTICEP_CHECK(failed_ranks.empty(), ErrorCode::kInternal, "Buffer::create failed on rank ", failed_ranks,
+                        " (see the error raised there); nothing was published");
         return std::shared_ptr<Buffer>(new Buffer(std::move(impl)));
     }
 
@@ -220,7 +237,9 @@ class BufferImpl {
         ELASTICEP_CHECK_ARG(args.y.shape == st->y_shape, "combine: y is ", args.y.describe(), " but must have the shape of dispatch's recv_x ",
                             TensorRef::contiguous(nullptr, DType::kBFloat16, st->y_shape, dev).describe());
         check_device(args.y, dev, "combine: y");
-        ELASTICEP_CHECK_ARG(args.y.is_contiguous(), "combine: y is ", args.y.describe(), " but must be contiguous");
+        // (an empty y, a rank that received no rows, may carry any strides)
+        ELASTICEP_CHECK_ARG(args.y.numel() == 0 || args.y.is_contiguous(), "combine: y is ", args.y.describe(),
+                            " but must be contiguous");
         ELASTICEP_CHECK_ARG(!args.weighted || st->has_weights,
                             "combine: weighted=true but the dispatch had no topk_weights; pass topk_weights to "
                             "dispatch or combine with weighted=false");

@@ -105,10 +105,12 @@ void BufferConfig::validate(int num_ranks) const {
     }
 }
 
-std::string BufferConfig::key() const {
+std::string BufferConfig::key() const { return detail::cat(group_key(), ".dev", device); }
+
+std::string BufferConfig::group_key() const {
     return detail::cat("E", num_experts, ".K", num_topk, ".H", hidden, ".C", max_tokens_per_rank, ".", payload_name(payload),
                        ".", scale_format_name(scale_format), ".", topology_name(topology), ".rpn", ranks_per_node,
-                       ".sms", num_sms, ".t", timeout.count(), ".dev", device);
+                       ".sms", num_sms, ".t", timeout.count());
 }
 
 std::string BufferConfig::describe() const {

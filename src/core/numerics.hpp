@@ -33,10 +33,14 @@ ELASTICEP_HD float bits_float(uint32_t u) {
 
 ELASTICEP_HD float bf16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
 
-// Round to nearest even; NaN stays a quiet NaN with its sign.
+inline constexpr uint16_t kBf16NaN = 0x7fc0;  // canonical quiet NaN (torch's host c10::BFloat16 rounding gives it too)
+
+// Round to nearest even; every NaN (any sign, any payload, quiet or signalling) becomes kBf16NaN,
+// so CPU and GPU give the same bytes whichever NaN their fp32 arithmetic carried (x86 fmaf keeps an
+// operand's payload and makes 0xffc00000 for 0 * Inf; the GPU makes 0x7fffffff).
 ELASTICEP_HD uint16_t float_to_bf16(float v) {
     uint32_t u = float_bits(v);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return kBf16NaN;
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<uint16_t>(u >> 16);
 }

@@ -215,7 +215,7 @@ float float_from_bf16(uint16_t b) { return from_bits(static_cast<uint32_t>(b) <<
 
 uint16_t bf16_from_float(float v) {
     const uint32_t u = bits_of(v);
-    if (std::isnan(v)) return static_cast<uint16_t>((u >> 16) | 0x40u);
+    if (std::isnan(v)) return 0x7fc0;  // every NaN: the canonical quiet NaN, sign and payload dropped
     const uint32_t upper = u >> 16, lower = u & 0xffffu;
     // nearest; on an exact half, the even one (a carry into the exponent is the right answer)
     const bool round_up = lower > 0x8000u || (lower == 0x8000u && (upper & 1u));

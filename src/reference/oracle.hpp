@@ -68,7 +68,7 @@ InvalidRoute first_invalid_route(const BufferConfig& config, const RankInput& in
 
 // Independent scalar references (used by the conversion tests).
 uint8_t e4m3_from_float(float v);   // nearest of the 256 codes by exhaustive search, ties to even
-uint16_t bf16_from_float(float v);  // round to nearest even
+uint16_t bf16_from_float(float v);  // round to nearest even; every NaN -> 0x7fc0
 float float_from_bf16(uint16_t b);
 float float_from_e4m3(uint8_t code);  // the OCP definition; NaN for S.1111.111
 

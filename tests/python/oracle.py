@@ -13,12 +13,12 @@ F64 = np.float64
 # ---- scalar formats ------------------------------------------------------------------------------
 
 def f32_to_bf16(x):
-    """float32 array -> bf16 bits (uint16), round to nearest even; NaN stays a quiet NaN."""
+    """float32 array -> bf16 bits (uint16), round to nearest even; every NaN -> 0x7fc0 (SEMANTICS)."""
     x = np.ascontiguousarray(x, dtype=F32)
     b = x.view(np.uint32).astype(np.uint64)
     rounded = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
     nan = np.isnan(x)
-    return np.where(nan, ((b >> 16) | 0x40).astype(np.uint16), rounded).astype(np.uint16)
+    return np.where(nan, np.uint16(0x7FC0), rounded).astype(np.uint16)
 
 
 def bf16_to_f32(bits):

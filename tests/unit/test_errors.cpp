@@ -2,6 +2,8 @@
 // the code, a message naming what to change, nothing written, and the buffer still usable after
 // every error that is not a timeout.
 #include <chrono>
+#include <functional>
+#include <stdexcept>
 
 #include "harness.hpp"
 
@@ -722,6 +724,156 @@ TEST(Errors, RanksWithDifferentConfigs) {
     });
     for (int r = 0; r < 2; ++r)
         EXPECT_TRUE(is_error(errors[static_cast<size_t>(r)], ErrorCode::kInvalidArgument, {"different config"})) << r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Zero-row tensors: a rank with no tokens (or no received rows) may pass any strides, since an
+// empty tensor addresses no element (numpy reports strides (0, 0) for some empty arrays).
+
+TEST(Errors, ZeroRowTensorsWithAnyStridesAreAccepted) {
+    constexpr int kH = 128, kC = 4;
+    BufferConfig cfg{.num_experts = 4, .num_topk = 2, .hidden = kH, .max_tokens_per_rank = kC};
+    cfg.timeout = 5000ms;
+    auto groups = ThreadGroup::create(2, 5000ms);
+    std::vector<std::shared_ptr<Buffer>> bufs(2);
+    uint16_t dummy[8] = {};
+    // Rank 1's tokens; round 0 routes only to rank 1's own experts (rank 0 receives no rows, so its
+    // y is empty too), round 1 to both ranks.
+    const std::vector<int32_t> idx_rounds[2] = {{2, 3, 3, -1, 2, 3}, {0, 3, 1, 2, 3, 0}};
+    const std::vector<float> w1 = {0.5f, 0.25f, 1.0f, 0.0f, -0.75f, 2.0f};
+    std::vector<uint16_t> x1(3 * kH);
+    for (int i = 0; i < 3 * kH; ++i) x1[static_cast<size_t>(i)] = y_value(7, i / kH, i % kH);
+    for (int round = 0; round < 2; ++round) {
+        const std::string ctx = "round " + std::to_string(round);
+        std::vector<Observed> got(2);
+        std::vector<std::vector<uint16_t>> ys(2), outs(2);
+        auto errors = run_ranks(2, [&](int r) {
+            auto& buf = bufs[static_cast<size_t>(r)];
+            if (!buf) buf = Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCPU);
+            DispatchArgs a;
+            std::vector<int32_t> idx = idx_rounds[round];
+            std::vector<float> w = w1;
+            if (r == 0) {  // no tokens, odd strides everywhere
+                a.x = TensorRef{nullptr, DType::kBFloat16, {0, kH}, {0, 0}, Device{}};
+                a.topk_idx = TensorRef{dummy, DType::kInt32, {0, 2}, {0, 0}, Device{}};
+                a.topk_weights = TensorRef{dummy, DType::kFloat32, {0, 2}, {1, 7}, Device{}};
+            } else {
+                a.x = TensorRef::contiguous(x1.data(), DType::kBFloat16, {3, kH});
+                a.topk_idx = TensorRef::contiguous(idx.data(), DType::kInt32, {3, 2});
+                a.topk_weights = TensorRef::contiguous(w.data(), DType::kFloat32, {3, 2});
+            }
+            DispatchResult d = buf->dispatch(a);
+            Observed o = observe(d, cfg);
+            auto& y = ys[static_cast<size_t>(r)];
+            for (int64_t row = 0; row < o.rows; ++row)
+                for (int h = 0; h < kH; ++h) y.push_back(y_value(r, row, h));
+            CombineArgs c;
+            if (o.rows == 0) {
+                c.y = TensorRef{dummy, DType::kBFloat16, d.recv_x.shape, {0, 0}, Device{}};
+            } else {
+                c.y = TensorRef::contiguous(y.data(), DType::kBFloat16, d.recv_x.shape);
+            }
+            if (r == 0) {
+                c.bias = TensorRef{dummy, DType::kBFloat16, {0, kH}, {0, 0}, Device{}};
+                c.out = TensorRef{dummy, DType::kBFloat16, {0, kH}, {3, 5}, Device{}};
+            }
+            CombineResult cr = buf->combine(std::move(d.handle), c);
+            EXPECT_EQ(cr.out.shape, (std::vector<int64_t>{r == 0 ? 0 : 3, kH})) << ctx << " rank " << r;
+            outs[static_cast<size_t>(r)] = read_2d<uint16_t>(cr.out, r == 0 ? 0 : 3, kH);
+            got[static_cast<size_t>(r)] = std::move(o);
+        });
+        ASSERT_TRUE(all_ok(errors, ctx));
+        EXPECT_EQ(got[0].rows, round == 0 ? 0 : 3) << ctx;  // round 1: t0 -> 0, t1 -> 1, t2 -> 0
+        std::vector<ref::RankInput> inputs(2);
+        inputs[1].num_tokens = 3;
+        inputs[1].x = x1;
+        inputs[1].topk_idx.assign(idx_rounds[round].begin(), idx_rounds[round].end());
+        inputs[1].topk_weights = w1;
+        const ref::DispatchOptions opt;
+        const auto want = ref::dispatch(cfg, 2, inputs, opt);
+        for (int r = 0; r < 2; ++r)
+            expect_dispatch_equal(want[static_cast<size_t>(r)], got[static_cast<size_t>(r)], cfg, false,
+                                  ctx + " rank " + std::to_string(r));
+        const auto want_out = ref::combine(cfg, 2, inputs, opt, ys, true, {});
+        EXPECT_TRUE(outs[0].empty()) << ctx;
+        EXPECT_EQ(first_diff(outs[1], want_out[1]), -1) << ctx << " rank 1 combine differs from the oracle";
+    }
+    // Strides still matter as soon as there is a row.
+    auto one = ThreadGroup::create(1);
+    const BufferConfig one_cfg{.num_experts = 2, .num_topk = 2, .hidden = kH, .max_tokens_per_rank = kC};
+    auto buf = Buffer::create(one[0], one_cfg, BackendKind::kCPU);
+    std::vector<uint16_t> x(2 * kH, 0);
+    std::vector<int32_t> idx = {0, 1, 1, 0};
+    DispatchArgs a;
+    a.x = TensorRef{x.data(), DType::kBFloat16, {1, kH}, {0, 0}, Device{}};
+    a.topk_idx = TensorRef::contiguous(idx.data(), DType::kInt32, {1, 2});
+    EXPECT_TRUE(throws_error([&] { buf->dispatch(a); }, ErrorCode::kInvalidArgument,
+                             {"dispatch: x", "last dimension must be contiguous"}));
+    a.x = TensorRef::contiguous(x.data(), DType::kBFloat16, {2, kH});
+    a.topk_idx = TensorRef{idx.data(), DType::kInt32, {2, 2}, {1, 1}, Device{}};
+    EXPECT_TRUE(throws_error([&] { buf->dispatch(a); }, ErrorCode::kInvalidArgument,
+                             {"dispatch: topk_idx", "row stride must be at least its row length"}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Buffer::create when the backend fails on one rank: that rank raises the backend's own error
+// code, the others raise Internal naming it, and nobody hangs or publishes a buffer.
+
+// Delegates to a ThreadGroup; on `fail_rank` its first barrier (the CPU backend's last step of
+// construction) completes and then throws, so the ranks stay in step and only that rank's backend
+// construction fails.
+class FailingBarrierGroup final : public Group {
+   public:
+    FailingBarrierGroup(std::shared_ptr<Group> inner, int fail_rank, std::function<void()> fail)
+        : inner_(std::move(inner)), fail_rank_(fail_rank), fail_(std::move(fail)) {}
+    int rank() const override { return inner_->rank(); }
+    int size() const override { return inner_->size(); }
+    void all_gather(const void* send, size_t bytes, void* recv) override { inner_->all_gather(send, bytes, recv); }
+    void barrier() override {
+        inner_->barrier();
+        if (armed_ && rank() == fail_rank_) {
+            armed_ = false;
+            fail_();
+        }
+    }
+    std::string identity() const override { return inner_->identity(); }
+
+   private:
+    std::shared_ptr<Group> inner_;
+    int fail_rank_;
+    std::function<void()> fail_;
+    bool armed_ = true;
+};
+
+TEST(Errors, CreateFailureOnOneRankKeepsTheBackendsCode) {
+    BufferConfig cfg = small_config();
+    cfg.num_experts = 6;  // three ranks
+    for (ErrorCode code : {ErrorCode::kUnsupported, ErrorCode::kCuda, ErrorCode::kInvalidArgument, ErrorCode::kNccl}) {
+        const std::string name = error_code_name(code);
+        auto inner = ThreadGroup::create(3, 5000ms);
+        std::vector<std::shared_ptr<Group>> groups;
+        for (auto& g : inner)
+            groups.push_back(
+                std::make_shared<FailingBarrierGroup>(g, 1, [code] { throw Error(code, "injected failure"); }));
+        auto errors =
+            run_ranks(3, [&](int r) { Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCPU); });
+        EXPECT_TRUE(is_error(errors[1], code, {"Buffer::create failed on this rank", "injected failure"})) << name;
+        for (int r : {0, 2})
+            EXPECT_TRUE(is_error(errors[static_cast<size_t>(r)], ErrorCode::kInternal,
+                                 {"Buffer::create failed on rank 1", "nothing was published"}))
+                << name << " rank " << r;
+        // the groups are still in step: a buffer builds on them and runs a checked round
+        std::vector<std::shared_ptr<Buffer>> bufs;
+        run_round(scenario_for(cfg, 3), groups, bufs, "after a failed create (" + name + ")");
+    }
+    // An exception that is not an elasticep::Error: Internal on that rank, no hang on the others.
+    auto inner = ThreadGroup::create(2, 5000ms);
+    std::vector<std::shared_ptr<Group>> groups;
+    for (auto& g : inner)
+        groups.push_back(std::make_shared<FailingBarrierGroup>(g, 0, [] { throw std::runtime_error("not ours"); }));
+    auto errors = run_ranks(2, [&](int r) { Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCPU); });
+    EXPECT_TRUE(is_error(errors[0], ErrorCode::kInternal, {"failed on this rank", "not ours"}));
+    EXPECT_TRUE(is_error(errors[1], ErrorCode::kInternal, {"failed on rank 0"}));
 }
 
 }  // namespace
