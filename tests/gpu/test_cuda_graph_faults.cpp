@@ -66,7 +66,6 @@ void graph_test(int ranks, int gpus, Layout layout) {
         cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
         const int64_t t = cfg.max_tokens_per_rank - (r % 2);  // fixed per rank across replays, uneven across ranks
         Inputs in = make_inputs(cfg, t, 500 + static_cast<uint64_t>(r), false, true, false);
-        scrub_nan(in);
         DevBuf dx = DevBuf::upload(in.x), didx = DevBuf::upload(in.idx64), dw = DevBuf::upload(in.w);
         DevBuf dout(static_cast<size_t>(t * cfg.hidden) * 2);
         const int64_t rows = layout == Layout::kExpertContiguous
@@ -106,7 +105,6 @@ void graph_test(int ranks, int gpus, Layout layout) {
         for (int replay = 0; replay < 3; ++replay) {
             Inputs fresh = make_inputs(cfg, t, 900 + static_cast<uint64_t>(replay * 16 + r), false, true, false,
                                        replay == 1);
-            scrub_nan(fresh);
             cudaMemcpyAsync(dx.ptr, fresh.x.data(), fresh.x.size() * 2, cudaMemcpyHostToDevice, s);
             cudaMemcpyAsync(didx.ptr, fresh.idx64.data(), fresh.idx64.size() * 8, cudaMemcpyHostToDevice, s);
             cudaMemcpyAsync(dw.ptr, fresh.w.data(), fresh.w.size() * 4, cudaMemcpyHostToDevice, s);
@@ -162,7 +160,6 @@ TEST(CudaBackendFaults, TimeoutNamesTheMissingRankAndANewBufferWorks) {
         cudaSetDevice(0);
         const Device dev{DeviceType::kCUDA, 0};
         Inputs in = make_inputs(cfg, 4, 40 + static_cast<uint64_t>(r), false, true, false);
-        scrub_nan(in);
         DevBuf dx = DevBuf::upload(in.x), didx = DevBuf::upload(in.idx64), dw = DevBuf::upload(in.w);
         {
             auto gpu = Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCUDA);
@@ -267,7 +264,6 @@ TEST(CudaBackendFaults, GraphModeInvalidRoutesAreDroppedAndSticky) {
         std::vector<DevBuf> keep;  // freed at the end: cudaFree may wait for peers' spinning kernels
         for (int round = 0; round < 2; ++round) {
             Inputs in = make_inputs(cfg, 5, 80 + static_cast<uint64_t>(r + 10 * round), false, true, false);
-            scrub_nan(in);
             if (r == 0) {
                 in.idx64[1 * 4 + 2] = cfg.num_experts + 5;  // token 1, k=2: out of range
                 in.idx64[2 * 4 + 3] = -7;                   // later: also out of range

@@ -13,17 +13,32 @@
 // layout shape: warm up before capturing a graph. Ranks in other processes map each other's region
 // through CUDA IPC handles exchanged by the Group (written, not yet exercised by a test).
 //
-// Several ranks on one GPU (threads of one process): each rank's kernels wait on the others', so
-// they must not share a hardware queue. CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS queues
-// (default 8); with more live streams than that, a rank's launch can queue behind a peer's waiting
-// kernel and the call times out. Set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts when several
-// ranks share a GPU (the gpu tests and tools/device-check do).
+// Several ranks on one GPU (threads of one process, the development setup): a kernel that waits for
+// a peer on the device relies on the peer's kernels running at the same time, which CUDA does not
+// promise (streams share CUDA_DEVICE_MAX_CONNECTIONS hardware queues; compute-sanitizer runs kernels
+// one at a time). Measured on an H200: with 4-8 ranks on one GPU about one matrix run in three timed
+// out at the first call of some buffer, the late rank's kernels starting only after its peers' waits
+// gave up. So when any GPU holds two ranks of one process, every rank of the group waits on the host
+// instead (kernels::SyncMode): publish, synchronise, poll the flags (bounded), then go on. Capturing
+// a graph keeps the device waits (the host cannot wait inside a graph): such replays are for tests,
+// with CUDA_DEVICE_MAX_CONNECTIONS=32. ELASTICEP_SHARED_GPU_DEVICE_WAITS=1 keeps the device waits
+// (benchmarks of the kernels on one GPU). One rank per GPU always waits on the device.
+// No rank may make a call that waits for the whole device (cudaFree, cudaFreeHost,
+// cudaDeviceEnablePeerAccess; tests/gpu/probe_blocking.cu measures which calls do) while a peer's
+// kernel may wait for it. So this backend frees with cudaFreeAsync, takes its host-mapped records
+// from a process-wide pool that is never freed, allocates the receive region of same-process ranks
+// from a stream-ordered pool, and makes every other such call before its last collective.
 #include <cuda_runtime.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
-#include <set>
+#include <map>
+#include <mutex>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -98,22 +113,107 @@ struct WorkspaceLayout {
     }
 };
 
+// Process-wide stream-ordered pool of one device: receive regions of same-process groups, workspaces
+// and buffer-owned outputs. Every device that can reach this one as a peer may access it (pool memory
+// ignores cudaDeviceEnablePeerAccess). Created once per device, never destroyed.
+cudaMemPool_t device_pool(int dev) {
+    static std::mutex mu;
+    static std::map<int, cudaMemPool_t> pools;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = pools.find(dev);
+    if (it != pools.end()) return it->second;
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = dev;
+    cudaMemPool_t pool = nullptr;
+    ELASTICEP_CUDA_CALL(cudaMemPoolCreate(&pool, &props));
+    int n = 0;
+    ELASTICEP_CUDA_CALL(cudaGetDeviceCount(&n));
+    for (int d = 0; d < n; ++d) {
+        int can = 0;
+        if (d == dev || cudaDeviceCanAccessPeer(&can, d, dev) != cudaSuccess || !can) continue;
+        cudaMemAccessDesc desc{};
+        desc.location.type = cudaMemLocationTypeDevice;
+        desc.location.id = d;
+        desc.flags = cudaMemAccessFlagsProtReadWrite;
+        ELASTICEP_CUDA_CALL(cudaMemPoolSetAccess(pool, &desc, 1));
+    }
+    pools.emplace(dev, pool);
+    return pool;
+}
+
+void* pool_alloc(size_t n, int dev, cudaStream_t stream) {
+    void* p = nullptr;
+    ELASTICEP_CUDA_CALL(cudaMallocFromPoolAsync(&p, std::max<size_t>(n, 256), device_pool(dev), stream));
+    return p;
+}
+
+// Host-mapped records, recycled and never freed: cudaFreeHost waits for the whole device.
+class HostRecordPool {
+   public:
+    static HostRecord* acquire() {
+        std::lock_guard<std::mutex> lock(mu());
+        auto& free = list();
+        if (free.empty()) {
+            constexpr int kChunk = 64;
+            HostRecord* chunk = nullptr;
+            ELASTICEP_CUDA_CALL(cudaHostAlloc(reinterpret_cast<void**>(&chunk), kChunk * sizeof(HostRecord),
+                                              cudaHostAllocMapped | cudaHostAllocPortable));
+            for (int i = kChunk - 1; i >= 0; --i) free.push_back(chunk + i);
+        }
+        HostRecord* r = free.back();
+        free.pop_back();
+        std::memset(static_cast<void*>(r), 0, sizeof(HostRecord));
+        return r;
+    }
+    static void release(HostRecord* r) {
+        std::lock_guard<std::mutex> lock(mu());
+        list().push_back(r);
+    }
+
+   private:
+    static std::mutex& mu() {
+        static std::mutex m;
+        return m;
+    }
+    static std::vector<HostRecord*>& list() {
+        static std::vector<HostRecord*> l;
+        return l;
+    }
+};
+
+// Warns on stderr when a host-side CUDA call of the protocol took long: with several ranks on one
+// GPU that is the sign of a call that waited for a peer's kernel (see the header comment).
+class SlowCallWatch {
+   public:
+    SlowCallWatch(const char* what, int rank) : what_(what), rank_(rank), t0_(std::chrono::steady_clock::now()) {}
+    ~SlowCallWatch() {
+        const auto ms =
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0_).count();
+        if (ms >= 1000)
+            std::fprintf(stderr, "[elasticep] rank %d: %s took %lld ms (did it wait for a peer's kernel?)\n", rank_,
+                         what_, static_cast<long long>(ms));
+    }
+
+   private:
+    const char* what_;
+    int rank_;
+    std::chrono::steady_clock::time_point t0_;
+};
+
 struct DevStorage {
     void* ptr = nullptr;
     size_t bytes = 0;
     std::vector<void*>* graveyard = nullptr;
-    // Grows only, stream-ordered: a plain cudaMalloc may wait for the device while a peer's kernel
-    // waits for this rank (several ranks on one GPU); the old block is freed with the buffer.
-    void* reserve(size_t n, cudaStream_t stream) {
+    // Grows only, stream-ordered from the device pool; the old block is freed with the buffer.
+    void reserve(size_t n, int dev, cudaStream_t stream) {
         n = std::max<size_t>(n, 256);
-        if (n > bytes) {
-            void* p = nullptr;
-            ELASTICEP_CUDA_CALL(cudaMallocAsync(&p, n, stream));
-            if (ptr) graveyard->push_back(ptr);
-            ptr = p;
-            bytes = n;
-        }
-        return ptr;
+        if (n <= bytes) return;
+        void* p = pool_alloc(n, dev, stream);
+        if (ptr) graveyard->push_back(ptr);
+        ptr = p;
+        bytes = n;
     }
 };
 
@@ -151,54 +251,8 @@ class CudaBackend final : public BackendBuffer {
 
         ELASTICEP_CUDA_CALL(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
         ELASTICEP_CUDA_CALL(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
-        ELASTICEP_CUDA_CALL(cudaMalloc(&region_ptr_, static_cast<size_t>(region_.bytes)));
-        ELASTICEP_CUDA_CALL(cudaMemsetAsync(region_ptr_, 0, static_cast<size_t>(region_.bytes), own_stream_));
-        ELASTICEP_CUDA_CALL(cudaMalloc(&ws_ptr_, wl_.bytes));
-        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, wl_.bytes, own_stream_));
-        ELASTICEP_CUDA_CALL(cudaMalloc(&out_ptr_, std::max<size_t>(256, static_cast<size_t>(cfg_.max_tokens_per_rank) *
-                                                                          static_cast<size_t>(cfg_.hidden) * 2)));
-        ELASTICEP_CUDA_CALL(cudaHostAlloc(reinterpret_cast<void**>(&rec_), sizeof(HostRecord),
-                                          cudaHostAllocMapped | cudaHostAllocPortable));
-        std::memset(static_cast<void*>(rec_), 0, sizeof(HostRecord));
-        ELASTICEP_CUDA_CALL(cudaHostGetDevicePointer(reinterpret_cast<void**>(&rec_dev_), rec_, 0));
-
-        // exchange region addresses
-        Hello me{};
-        me.pid = static_cast<int64_t>(::getpid());
-        me.device = dev_;
-        std::memcpy(me.uuid, &prop.uuid, 16);
-        me.region = reinterpret_cast<uint64_t>(region_ptr_);
-        if (cudaIpcGetMemHandle(&me.ipc, region_ptr_) != cudaSuccess) cudaGetLastError();  // only needed across processes
-        const auto all = ctx.group->all_gather_value(me);
-        std::vector<uint8_t*> peers(static_cast<size_t>(num_ranks_));
-        ranks_on_gpu_ = 0;
-        for (int p = 0; p < num_ranks_; ++p) {
-            const Hello& h = all[static_cast<size_t>(p)];
-            if (std::memcmp(h.uuid, me.uuid, 16) == 0) ++ranks_on_gpu_;
-            else remote_gpu_ = true;
-            if (h.pid == me.pid) {
-                peers[static_cast<size_t>(p)] = reinterpret_cast<uint8_t*>(h.region);
-                if (h.device != dev_) {
-                    int can = 0;
-                    ELASTICEP_CUDA_CALL(cudaDeviceCanAccessPeer(&can, dev_, h.device));
-                    ELASTICEP_CHECK(can, ErrorCode::kUnsupported, "rank ", rank_, " on GPU ", dev_, " cannot access GPU ",
-                                    h.device, " of rank ", p, " (no peer access); the direct topology needs NVLink "
-                                    "or PCIe peer access between all ranks' GPUs");
-                    const cudaError_t e = cudaDeviceEnablePeerAccess(h.device, 0);
-                    if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
-                    else ELASTICEP_CUDA_CALL(e);
-                }
-            } else {
-                void* mapped = nullptr;
-                ELASTICEP_CUDA_CALL(cudaIpcOpenMemHandle(&mapped, h.ipc, cudaIpcMemLazyEnablePeerAccess));
-                opened_.push_back(mapped);
-                peers[static_cast<size_t>(p)] = static_cast<uint8_t*>(mapped);
-            }
-        }
-        ws_ = carve();
-        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.bad_key, 0xff, 8, own_stream_));
-        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(ws_.peers, peers.data(), peers.size() * sizeof(uint8_t*),
-                                            cudaMemcpyHostToDevice, own_stream_));
+        // Everything that may wait for the device happens before the first collective: once a peer
+        // passes the last one (the front end's), it may launch kernels that wait for this rank.
         // load every kernel now: lazy loading mid-protocol could stall a context while peers spin
         cudaFuncAttributes attr{};
         ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::plan_kernel));
@@ -208,6 +262,85 @@ class CudaBackend final : public BackendBuffer {
         ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::partial_kernel));
         ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::publish_kernel));
         ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::reduce_kernel));
+        ws_ptr_ = pool_alloc(wl_.bytes, dev_, own_stream_);
+        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, wl_.bytes, own_stream_));
+        out_ptr_ = pool_alloc(static_cast<size_t>(cfg_.max_tokens_per_rank) * static_cast<size_t>(cfg_.hidden) * 2,
+                              dev_, own_stream_);
+        rec_ = HostRecordPool::acquire();
+        ELASTICEP_CUDA_CALL(cudaHostGetDevicePointer(reinterpret_cast<void**>(&rec_dev_), rec_, 0));
+
+        // who is where: ranks of this process take the receive region from the stream-ordered pool;
+        // a group that spans processes needs memory that CUDA IPC can export (cudaMalloc)
+        struct Where {
+            int64_t pid;
+            int32_t device;
+            int32_t pad;
+            char uuid[16];
+        };
+        Where me{};
+        me.pid = static_cast<int64_t>(::getpid());
+        me.device = dev_;
+        std::memcpy(me.uuid, &prop.uuid, 16);
+        const auto where = ctx.group->all_gather_value(me);
+        bool one_process = true;
+        ranks_on_gpu_ = 0;
+        for (const Where& w : where) {
+            const bool same_gpu = std::memcmp(w.uuid, me.uuid, 16) == 0;
+            ranks_on_gpu_ += same_gpu;
+            remote_gpu_ = remote_gpu_ || !same_gpu;
+            one_process = one_process && w.pid == me.pid;
+        }
+        region_in_pool_ = one_process;
+        // the same decision on every rank: does any GPU hold two ranks of one process?
+        for (size_t i = 0; i < where.size(); ++i)
+            for (size_t j = i + 1; j < where.size(); ++j)
+                host_waits_ = host_waits_ || (where[i].pid == where[j].pid && std::memcmp(where[i].uuid, where[j].uuid, 16) == 0);
+        if (const char* v = std::getenv("ELASTICEP_SHARED_GPU_DEVICE_WAITS"); v && std::string(v) == "1") host_waits_ = false;
+        if (region_in_pool_) {
+            region_ptr_ = pool_alloc(static_cast<size_t>(region_.bytes), dev_, own_stream_);
+        } else {
+            ELASTICEP_CUDA_CALL(cudaMalloc(&region_ptr_, static_cast<size_t>(region_.bytes)));
+        }
+        ELASTICEP_CUDA_CALL(cudaMemsetAsync(region_ptr_, 0, static_cast<size_t>(region_.bytes), own_stream_));
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+
+        // exchange region addresses (and IPC handles across processes)
+        Hello hello{};
+        hello.pid = me.pid;
+        hello.device = dev_;
+        std::memcpy(hello.uuid, me.uuid, 16);
+        hello.region = reinterpret_cast<uint64_t>(region_ptr_);
+        if (!region_in_pool_) ELASTICEP_CUDA_CALL(cudaIpcGetMemHandle(&hello.ipc, region_ptr_));
+        const auto all = ctx.group->all_gather_value(hello);
+        std::vector<uint8_t*> peers(static_cast<size_t>(num_ranks_));
+        for (int p = 0; p < num_ranks_; ++p) {
+            const Hello& h = all[static_cast<size_t>(p)];
+            if (h.pid == me.pid) {
+                peers[static_cast<size_t>(p)] = reinterpret_cast<uint8_t*>(h.region);
+                if (h.device != dev_) {
+                    int can = 0;
+                    ELASTICEP_CUDA_CALL(cudaDeviceCanAccessPeer(&can, dev_, h.device));
+                    ELASTICEP_CHECK(can, ErrorCode::kUnsupported, "rank ", rank_, " on GPU ", dev_, " cannot access GPU ",
+                                    h.device, " of rank ", p, " (no peer access); the direct topology needs NVLink "
+                                    "or PCIe peer access between all ranks' GPUs");
+                    if (!region_in_pool_) {  // pool memory is reachable through the pool's access list
+                        const cudaError_t e = cudaDeviceEnablePeerAccess(h.device, 0);
+                        if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
+                        else ELASTICEP_CUDA_CALL(e);
+                    }
+                }
+            } else {
+                void* mapped = nullptr;
+                ELASTICEP_CUDA_CALL(cudaIpcOpenMemHandle(&mapped, h.ipc, cudaIpcMemLazyEnablePeerAccess));
+                opened_.push_back(mapped);
+                peers[static_cast<size_t>(p)] = static_cast<uint8_t*>(mapped);
+            }
+        }
+        ws_ = carve();
+        peers_host_ = peers;
+        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.bad_key, 0xff, 8, own_stream_));
+        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(ws_.peers, peers.data(), peers.size() * sizeof(uint8_t*),
+                                            cudaMemcpyHostToDevice, own_stream_));
         ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
 
         // SM count: explicit, or a bandwidth model of the link
@@ -219,21 +352,27 @@ class CudaBackend final : public BackendBuffer {
     }
 
     ~CudaBackend() override {
+        // Nothing here waits for the whole device (see the header comment): peers of this process
+        // may already run kernels of their next buffer.
         cudaSetDevice(dev_);
         cudaStreamSynchronize(own_stream_);
         if (has_event_) cudaEventSynchronize(last_event_);
+        // after a timeout a late peer may still write into this rank's region: keep it (leaked)
+        const bool timed_out = rec_ && rec_->timeout_phase != kernels::kPhaseNone;
         for (void* p : opened_) cudaIpcCloseMemHandle(p);
-        // stream-ordered allocations go back the way they came
         for (void* p : graveyard_) cudaFreeAsync(p, own_stream_);
         for (DevStorage* s : {&x_st_, &sc_st_, &w_st_, &src_st_, &mi_st_})
             if (s->ptr) cudaFreeAsync(s->ptr, own_stream_);
-        cudaStreamSynchronize(own_stream_);
-        cudaFree(out_ptr_);
-        cudaFree(ws_ptr_);
-        cudaFree(region_ptr_);
-        cudaFreeHost(rec_);
+        if (out_ptr_) cudaFreeAsync(out_ptr_, own_stream_);
+        if (ws_ptr_) cudaFreeAsync(ws_ptr_, own_stream_);
+        if (region_ptr_ && !timed_out) {
+            if (region_in_pool_) cudaFreeAsync(region_ptr_, own_stream_);
+            else cudaFree(region_ptr_);  // IPC-exported; other processes' ranks do not wait for this one
+        }
+        if (rec_) HostRecordPool::release(rec_);
         cudaEventDestroy(last_event_);
         cudaStreamDestroy(own_stream_);
+        cudaGetLastError();
     }
 
     Device device() const override { return Device{DeviceType::kCUDA, dev_}; }
@@ -307,6 +446,12 @@ class CudaBackend final : public BackendBuffer {
         p.zero_padding = a.zero_padding;
         p.alignment = contiguous ? a.expert_alignment : 1;
 
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        ELASTICEP_CUDA_CALL(cudaStreamIsCapturing(stream, &capture));
+        const bool capturing = capture != cudaStreamCaptureStatusNone;
+        ELASTICEP_CHECK_ARG(!(capturing && a.host_sync), "dispatch: host_sync=true cannot be captured in a CUDA graph "
+                            "(it reads the row count on the host); pass host_sync=false (graph mode) while capturing");
+
         // outputs: caller-provided (fixed worst-case shape) or buffer-owned (sized for the worst case)
         const auto cap_specs = dispatch_output_specs(cfg_, num_ranks_, a.layout, req.rows_cap, a.scales_mn_major);
         auto ptr_of = [&](const std::optional<TensorRef>& given, const OutputSpec& cap, DevStorage& st) -> void* {
@@ -316,7 +461,15 @@ class CudaBackend final : public BackendBuffer {
                                     " must be 16-byte aligned for the CUDA backend");
                 return given->data;
             }
-            return st.reserve(static_cast<size_t>(cap.storage_elems) * dtype_size(cap.dtype), stream);
+            const size_t need = static_cast<size_t>(cap.storage_elems) * dtype_size(cap.dtype);
+            if (need > st.bytes) {
+                ELASTICEP_CHECK_ARG(!capturing, "dispatch: the first call with this layout (", layout_name(a.layout),
+                                    ", expert_alignment ", a.expert_alignment, ") allocates the buffer-owned "
+                                    "outputs and cannot be captured; run it once before capturing the graph");
+                SlowCallWatch watch("allocating buffer-owned dispatch outputs", rank_);
+                st.reserve(need, dev_, stream);
+            }
+            return st.ptr;
         };
         void* rx = ptr_of(a.outputs.recv_x, cap_specs.recv_x, x_st_);
         void* rw = ptr_of(a.outputs.recv_weights, cap_specs.recv_weights, w_st_);
@@ -334,6 +487,13 @@ class CudaBackend final : public BackendBuffer {
         ELASTICEP_CUDA_CALL(cudaGetLastError());
         kernels::send_kernel<<<grid, kernels::kThreads, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
+        if (host_waits_ && !capturing) {
+            p.sync_mode = kernels::kPublishOnly;
+            kernels::exchange_kernel<<<1, 256, 0, stream>>>(p);
+            ELASTICEP_CUDA_CALL(cudaGetLastError());
+            host_wait(stream, kernels::kPhaseDispatch);
+            p.sync_mode = kernels::kWaitOnly;
+        }
         kernels::exchange_kernel<<<1, 256, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
 
@@ -417,6 +577,15 @@ class CudaBackend final : public BackendBuffer {
         const int sms = handle.num_sms > 0 ? handle.num_sms : num_sms_;
         kernels::partial_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
+        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+        ELASTICEP_CUDA_CALL(cudaStreamIsCapturing(stream, &capture));
+        if (host_waits_ && capture == cudaStreamCaptureStatusNone) {
+            p.sync_mode = kernels::kPublishOnly;
+            kernels::publish_kernel<<<1, 32, 0, stream>>>(p);
+            ELASTICEP_CUDA_CALL(cudaGetLastError());
+            host_wait(stream, kernels::kPhaseCombine);
+            p.sync_mode = kernels::kWaitOnly;
+        }
         kernels::publish_kernel<<<1, 32, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
         kernels::reduce_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
@@ -486,13 +655,96 @@ class CudaBackend final : public BackendBuffer {
         raise(ErrorCode::kTimeout,
               cat(phase, ": rank ", rank_, " waited ", cfg_.timeout.count(), " ms for rank(s) ", missing,
                   " (expected call #", r->timeout_expected, ", last seen #", r->timeout_observed, "); a peer did not call ",
-                  phase, " or is stuck. This buffer is unusable now: rebuild it"));
+                  phase, " or is stuck. This buffer is unusable now: rebuild it. ", diagnose()));
+    }
+
+    // Ranks of one process sharing a GPU (kernels::SyncMode): after this rank's publish has run,
+    // waits on the host for every peer's epoch in this rank's region, bounded by the timeout. Reads
+    // go through the buffer's own non-blocking stream, which no peer's kernel waits on.
+    void host_wait(cudaStream_t stream, int32_t phase) {
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
+        uint64_t dev_epoch = 0;
+        int32_t aborted = 0;
+        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(&dev_epoch, ws_.epoch, 8, cudaMemcpyDeviceToHost, own_stream_));
+        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(&aborted, ws_.state, 4, cudaMemcpyDeviceToHost, own_stream_));
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+        if (phase == kernels::kPhaseCombine && aborted) return;  // the dispatch timed out: nothing was published
+        const uint64_t epoch = phase == kernels::kPhaseDispatch ? dev_epoch + 1 : dev_epoch;
+        const size_t r = static_cast<size_t>(num_ranks_);
+        auto* base = static_cast<uint8_t*>(region_ptr_);
+        std::vector<kernels::DispFlag> disp(phase == kernels::kPhaseDispatch ? 2 * r : 0);
+        std::vector<uint64_t> comb(phase == kernels::kPhaseCombine ? r : 0);
+        const auto start = std::chrono::steady_clock::now();
+        for (int spins = 0;; ++spins) {
+            if (phase == kernels::kPhaseDispatch)
+                ELASTICEP_CUDA_CALL(cudaMemcpyAsync(disp.data(), base + region_.disp_flags, disp.size() * sizeof(disp[0]),
+                                                    cudaMemcpyDeviceToHost, own_stream_));
+            else
+                ELASTICEP_CUDA_CALL(cudaMemcpyAsync(comb.data(), base + region_.comb_flags, r * 8, cudaMemcpyDeviceToHost,
+                                                    own_stream_));
+            ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+            uint64_t missing = 0, observed = epoch;
+            int first = -1;
+            for (size_t q = 0; q < r; ++q) {
+                const uint64_t seen = phase == kernels::kPhaseDispatch ? disp[2 * q + (epoch & 1)].epoch : comb[q];
+                if (seen >= epoch) continue;
+                if (first < 0) first = static_cast<int>(q);
+                if (q < 64) missing |= uint64_t{1} << q;
+                observed = std::min(observed, seen);
+            }
+            if (first < 0) return;
+            if (std::chrono::steady_clock::now() - start > cfg_.timeout) {
+                volatile HostRecord* rec = rec_;
+                rec->timeout_peer = first;
+                rec->timeout_missing = missing;
+                rec->timeout_expected = epoch;
+                rec->timeout_observed = observed;
+                rec->timeout_phase = phase;
+                raise_timeout();
+            }
+            if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
+    }
+
+    // What this rank sees after a timeout (the waiting kernel has left): whether the device copy of
+    // the peer table is intact, and every sender's flags in this rank's region. Reads on the legacy
+    // stream, which does not wait for the ranks' non-blocking streams.
+    std::string diagnose() {
+        const size_t r = static_cast<size_t>(num_ranks_);
+        std::vector<uint8_t*> table(r);
+        std::vector<kernels::DispFlag> disp(2 * r);
+        std::vector<uint64_t> comb(r);
+        auto* base = static_cast<uint8_t*>(region_ptr_);
+        if (cudaMemcpy(table.data(), ws_.peers, r * sizeof(uint8_t*), cudaMemcpyDeviceToHost) != cudaSuccess ||
+            cudaMemcpy(disp.data(), base + region_.disp_flags, disp.size() * sizeof(kernels::DispFlag),
+                       cudaMemcpyDeviceToHost) != cudaSuccess ||
+            cudaMemcpy(comb.data(), base + region_.comb_flags, r * 8, cudaMemcpyDeviceToHost) != cudaSuccess) {
+            cudaGetLastError();
+            return "(no diagnosis: the device could not be read)";
+        }
+        std::string out = "Diagnosis: peer table ";
+        bool intact = true;
+        for (size_t p = 0; p < r; ++p)
+            if (table[p] != peers_host_[p]) {
+                out += cat(intact ? "CORRUPT: " : ", ", "entry ", p, " is ", static_cast<void*>(table[p]), " not ",
+                           static_cast<void*>(peers_host_[p]));
+                intact = false;
+            }
+        if (intact) out += "intact";
+        out += "; dispatch epochs here per sender (even/odd slot):";
+        for (size_t p = 0; p < r; ++p) out += cat(" ", p, ":", disp[2 * p].epoch, "/", disp[2 * p + 1].epoch);
+        out += "; combine epochs here per holder:";
+        for (size_t p = 0; p < r; ++p) out += cat(" ", p, ":", comb[p]);
+        return out;
     }
 
     BufferConfig cfg_;
     int rank_, num_ranks_, e_local_;
     int dev_ = 0, device_sms_ = 0, num_sms_ = 1, ranks_on_gpu_ = 1;
     bool remote_gpu_ = false;
+    bool region_in_pool_ = false;          // every rank is in this process: region from the device pool
+    bool host_waits_ = false;              // some GPU holds two ranks of one process: kernels::SyncMode
+    std::vector<uint8_t*> peers_host_;  // region of every rank as this rank addresses it
     MessageLayout msg_;
     RegionLayout region_;
     WorkspaceLayout wl_;

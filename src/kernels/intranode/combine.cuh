@@ -78,8 +78,11 @@ __global__ void publish_kernel(CombineParams p) {
     const Shape& sh = p.sh;
     if (threadIdx.x != 0 || p.ws.state[0] != 0) return;
     const uint64_t epoch = *p.ws.epoch;
-    __threadfence_system();
-    for (int s = 0; s < sh.num_ranks; ++s) st_release_sys(comb_flag(p.ws.peers[s], sh, sh.rank), epoch);
+    if (p.sync_mode != kWaitOnly) {
+        __threadfence_system();
+        for (int s = 0; s < sh.num_ranks; ++s) st_release_sys(comb_flag(p.ws.peers[s], sh, sh.rank), epoch);
+        if (p.sync_mode == kPublishOnly) return;  // the host waits, then launches the kWaitOnly half
+    }
     const bool ok = wait_peers([&](int d) { return comb_flag(p.my_region, sh, d); }, sh.num_ranks, epoch, p.timeout_ns,
                                kPhaseCombine, p.rec);
     if (!ok) p.ws.state[0] = 1;

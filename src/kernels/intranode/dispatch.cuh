@@ -331,26 +331,32 @@ __global__ void __launch_bounds__(256) exchange_kernel(DispatchParams p) {
     __shared__ RouteStatus st_shared;
     const uint64_t epoch = *p.ws.epoch + 1;
     const int parity = static_cast<int>(epoch & 1);
+    if (p.sync_mode != kWaitOnly) {
+        if (threadIdx.x == 0) {
+            st_shared = resolve_status(p);
+            *p.ws.status = st_shared;
+        }
+        __syncthreads();
+        const RouteStatus st = st_shared;
+        const bool reject = st.kind != 0;
+        for (int i = threadIdx.x; i < sh.num_ranks; i += blockDim.x) {
+            DispFlag* f = disp_flag(p.ws.peers[i], sh, sh.rank, parity);
+            f->count = reject ? 0 : p.ws.dest_count[i];
+            f->status = st;
+        }
+        for (int i = threadIdx.x; i < sh.num_ranks * sh.e_local; i += blockDim.x) {
+            const int d = i / sh.e_local, l = i % sh.e_local;
+            disp_ecounts(p.ws.peers[d], sh, sh.rank, parity)[l] = reject ? 0 : p.ws.expert_count[d * sh.e_local + l];
+        }
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (int d = 0; d < sh.num_ranks; ++d)
+                st_release_sys(&disp_flag(p.ws.peers[d], sh, sh.rank, parity)->epoch, epoch);
+        if (p.sync_mode == kPublishOnly) return;  // the host waits, then launches the kWaitOnly half
+    }
     if (threadIdx.x == 0) {
-        st_shared = resolve_status(p);
-        *p.ws.status = st_shared;
-    }
-    __syncthreads();
-    const RouteStatus st = st_shared;
-    const bool reject = st.kind != 0;
-    for (int i = threadIdx.x; i < sh.num_ranks; i += blockDim.x) {
-        DispFlag* f = disp_flag(p.ws.peers[i], sh, sh.rank, parity);
-        f->count = reject ? 0 : p.ws.dest_count[i];
-        f->status = st;
-    }
-    for (int i = threadIdx.x; i < sh.num_ranks * sh.e_local; i += blockDim.x) {
-        const int d = i / sh.e_local, l = i % sh.e_local;
-        disp_ecounts(p.ws.peers[d], sh, sh.rank, parity)[l] = reject ? 0 : p.ws.expert_count[d * sh.e_local + l];
-    }
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int d = 0; d < sh.num_ranks; ++d) st_release_sys(&disp_flag(p.ws.peers[d], sh, sh.rank, parity)->epoch, epoch);
+        // with kWaitOnly the host has already seen every flag: this returns at once
         ok = wait_peers([&](int s) { return &disp_flag(p.my_region, sh, s, parity)->epoch; }, sh.num_ranks, epoch,
                         p.timeout_ns, kPhaseDispatch, p.rec);
         *p.ws.epoch = epoch;

@@ -70,6 +70,13 @@ struct Workspace {
     uint8_t** peers;         // [R] region base of every rank, as this rank addresses it
 };
 
+// How a call meets its peers. kDevice: one kernel publishes, then waits on the device (bounded).
+// Ranks of one process that share a GPU cannot rely on that: CUDA may serialise their streams (they
+// share hardware queues, or a tool such as compute-sanitizer runs kernels one at a time), and a
+// waiting kernel then blocks the very kernel it waits for. For them the kernel only publishes
+// (kPublishOnly), the host waits on the flags (bounded), then a kWaitOnly launch finds them set.
+enum SyncMode : int32_t { kDevice = 0, kPublishOnly = 1, kWaitOnly = 2 };
+
 struct Shape {
     int rank, num_ranks, num_experts, e_local, num_topk, hidden, capacity;
     MessageLayout msg;
@@ -82,6 +89,7 @@ struct DispatchParams {
     uint8_t* my_region;
     HostRecord* rec;
     uint64_t timeout_ns;
+    int32_t sync_mode;
     int num_tokens;
     // inputs
     const void* x;
@@ -115,6 +123,7 @@ struct CombineParams {
     uint8_t* my_region;
     HostRecord* rec;
     uint64_t timeout_ns;
+    int32_t sync_mode;
     int num_tokens;
     const uint16_t* y;
     bool weighted;
