@@ -660,6 +660,8 @@ def main(argv=None) -> int:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the current device, made explicit (set_device needs an index)
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     if args.self_check:
         return self_check(device)
