@@ -3,8 +3,12 @@
 //   elasticep_gpu_tests --gtest_also_run_disabled_tests --gtest_filter='*DISABLED_Bench*'
 // Environment: ELASTICEP_BENCH_RANKS (default 8 on one GPU, else one rank per GPU),
 // ELASTICEP_BENCH_JSON (file to append one JSON line per phase), ELASTICEP_BENCH_ITERS (default 20).
-// Timing: CUDA events on each rank's stream after warm-up; ranks meet at a host barrier before
-// every timed iteration; the figure per iteration is the slowest rank; we report the median.
+// Timing: CUDA events on each rank's stream after warm-up. "isolated": ranks meet at a host barrier
+// before every timed iteration (so the figure includes the ranks' skew in leaving the barrier); the
+// figure per iteration is the slowest rank; we report the median. "back-to-back" (b2b_*): each rank
+// enqueues all iterations without host synchronisation (the protocol alone keeps the ranks in step),
+// events between the calls; per-iteration slowest rank, median; b2b_graph is the mean of
+// back-to-back graph replays.
 #include "gpu_harness.hpp"
 
 #include <algorithm>
@@ -31,6 +35,8 @@ double median(std::vector<double> v) {
 
 struct PhaseResult {
     std::vector<std::vector<double>> dispatch_ms, combine_ms, graph_ms;  // [rank][iter]
+    std::vector<std::vector<double>> b2b_dispatch_ms, b2b_combine_ms;     // [rank][iter]
+    std::vector<double> b2b_graph_ms;                                     // [rank]
     std::vector<double> bytes_dispatch, bytes_combine;                   // per rank
 };
 
@@ -51,6 +57,9 @@ void bench_phase(const char* phase, int ranks, int gpus, int tokens, Layout layo
     res.dispatch_ms.resize(static_cast<size_t>(ranks));
     res.combine_ms.resize(static_cast<size_t>(ranks));
     res.graph_ms.resize(static_cast<size_t>(ranks));
+    res.b2b_dispatch_ms.resize(static_cast<size_t>(ranks));
+    res.b2b_combine_ms.resize(static_cast<size_t>(ranks));
+    res.b2b_graph_ms.resize(static_cast<size_t>(ranks));
     res.bytes_dispatch.resize(static_cast<size_t>(ranks));
     res.bytes_combine.resize(static_cast<size_t>(ranks));
     int used_sms = 0;
@@ -139,6 +148,31 @@ void bench_phase(const char* phase, int ranks, int gpus, int tokens, Layout layo
             }
         }
         gpu->check();
+        // back to back: no host synchronisation between iterations
+        {
+            std::vector<cudaEvent_t> ev(static_cast<size_t>(3 * iters));
+            for (auto& e : ev) cudaEventCreate(&e);
+            ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+            group.barrier();
+            for (int it = 0; it < iters; ++it) {
+                cudaEventRecord(ev[static_cast<size_t>(3 * it)], s);
+                DispatchResult d = gpu->dispatch(a);
+                cudaEventRecord(ev[static_cast<size_t>(3 * it + 1)], s);
+                ca.y.shape = d.recv_x.shape;
+                gpu->combine(std::move(d.handle), ca);
+                cudaEventRecord(ev[static_cast<size_t>(3 * it + 2)], s);
+            }
+            ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+            for (int it = 0; it < iters; ++it) {
+                float ms1 = 0, ms2 = 0;
+                cudaEventElapsedTime(&ms1, ev[static_cast<size_t>(3 * it)], ev[static_cast<size_t>(3 * it + 1)]);
+                cudaEventElapsedTime(&ms2, ev[static_cast<size_t>(3 * it + 1)], ev[static_cast<size_t>(3 * it + 2)]);
+                res.b2b_dispatch_ms[static_cast<size_t>(r)].push_back(ms1);
+                res.b2b_combine_ms[static_cast<size_t>(r)].push_back(ms2);
+            }
+            for (auto& e : ev) cudaEventDestroy(e);
+            gpu->check();
+        }
         // graph replay of dispatch + combine (graph-mode layouts only)
         if (!host_sync) {
             cudaGraph_t graph;
@@ -160,6 +194,15 @@ void bench_phase(const char* phase, int ranks, int gpus, int tokens, Layout layo
                 cudaEventElapsedTime(&ms, e0, e1);
                 if (it >= warmup) res.graph_ms[static_cast<size_t>(r)].push_back(ms);
             }
+            ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+            group.barrier();
+            cudaEventRecord(e0, s);
+            for (int it = 0; it < iters; ++it) cudaGraphLaunch(exec, s);
+            cudaEventRecord(e1, s);
+            ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+            float ms = 0;
+            cudaEventElapsedTime(&ms, e0, e1);
+            res.b2b_graph_ms[static_cast<size_t>(r)] = ms / iters;
             cudaGraphExecDestroy(exec);
             cudaGraphDestroy(graph);
         }
@@ -187,16 +230,19 @@ void bench_phase(const char* phase, int ranks, int gpus, int tokens, Layout layo
     for (int r = 0; r < ranks; ++r) bd += res.bytes_dispatch[static_cast<size_t>(r)], bc += res.bytes_combine[static_cast<size_t>(r)];
     const double d_ms = slowest(res.dispatch_ms), c_ms = slowest(res.combine_ms);
     const double g_ms = host_sync ? 0.0 : slowest(res.graph_ms);
+    const double bd_ms = slowest(res.b2b_dispatch_ms), bc_ms = slowest(res.b2b_combine_ms);
+    const double bg_ms = host_sync ? 0.0 : *std::max_element(res.b2b_graph_ms.begin(), res.b2b_graph_ms.end());
     // HBM floor when all ranks share one GPU; NVLink-bound otherwise (reported, not modelled)
     const double hbm = 4.2e12 * gpus;
-    char line[1024];
+    char line[2048];
     std::snprintf(line, sizeof(line),
                   "{\"phase\":\"%s\",\"payload\":\"%s\",\"ranks\":%d,\"gpus\":%d,\"tokens_per_rank\":%d,\"layout\":\"%s\",\"host_sync\":%s,"
                   "\"alignment\":%d,\"num_sms\":%d,\"iters\":%zu,\"dispatch_ms\":%.4f,\"combine_ms\":%.4f,"
                   "\"graph_dispatch_combine_ms\":%.4f,\"dispatch_bytes\":%.0f,\"combine_bytes\":%.0f,"
-                  "\"dispatch_floor_ms\":%.4f,\"combine_floor_ms\":%.4f}",
+                  "\"dispatch_floor_ms\":%.4f,\"combine_floor_ms\":%.4f,\"b2b_dispatch_ms\":%.4f,\"b2b_combine_ms\":%.4f,"
+                  "\"b2b_graph_ms\":%.4f}",
                   phase, payload_name(cfg.payload), ranks, gpus, tokens, layout_name(layout), host_sync ? "true" : "false", alignment, used_sms,
-                  res.dispatch_ms[0].size(), d_ms, c_ms, g_ms, bd, bc, bd / hbm * 1e3, bc / hbm * 1e3);
+                  res.dispatch_ms[0].size(), d_ms, c_ms, g_ms, bd, bc, bd / hbm * 1e3, bc / hbm * 1e3, bd_ms, bc_ms, bg_ms);
     std::printf("%s\n", line);
     if (const char* path = std::getenv("ELASTICEP_BENCH_JSON")) {
         std::ofstream f(path, std::ios::app);

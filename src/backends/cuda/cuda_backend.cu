@@ -11,7 +11,8 @@
 // stream == nullptr: the call runs on the buffer's own non-blocking stream and synchronises it
 // before returning. Buffer-owned outputs are allocated (stream-ordered) at the first call of each
 // layout shape: warm up before capturing a graph. Ranks in other processes map each other's region
-// through CUDA IPC handles exchanged by the Group (written, not yet exercised by a test).
+// through CUDA IPC handles exchanged by the Group (tests/mpi/test_mpi_cuda.cpp, the Python
+// one-process-per-GPU test).
 //
 // Several ranks on one GPU (threads of one process, the development setup): a kernel that waits for
 // a peer on the device relies on the peer's kernels running at the same time, which CUDA does not

@@ -15,16 +15,43 @@ __device__ __forceinline__ uint64_t* comb_flag(uint8_t* region, const Shape& sh,
     return reinterpret_cast<uint64_t*>(region + sh.region.comb_flags) + holder;
 }
 
+// Sums in registers: acc[i] = fmaf(w, y[i], acc[i]) over the 8 bf16 channels of one 16-byte chunk.
+__device__ __forceinline__ void fma_chunk(float (&acc)[8], float w, const uint4& v) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] = fmaf(w, num::bf16_to_float(static_cast<uint16_t>(words[i] & 0xffffu)), acc[2 * i]);
+        acc[2 * i + 1] = fmaf(w, num::bf16_to_float(static_cast<uint16_t>(words[i] >> 16)), acc[2 * i + 1]);
+    }
+}
+
+__device__ __forceinline__ uint4 pack_chunk(const float (&acc)[8]) {
+    uint32_t out[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        out[i] = static_cast<uint32_t>(num::float_to_bf16(acc[2 * i])) |
+                 (static_cast<uint32_t>(num::float_to_bf16(acc[2 * i + 1])) << 16);
+    return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// Loads are issued in batches (kBatch sources x 2 chunks per lane) before the arithmetic, so a warp
+// keeps many reads in flight; the arithmetic order (sources ascending) is unchanged.
+constexpr int kBatch = 4;
+
 __global__ void __launch_bounds__(kThreads) partial_kernel(CombineParams p) {
     const Shape& sh = p.sh;
     if (p.ws.state[0] != 0) return;
-    const int lane = threadIdx.x & 31;
+    __shared__ int64_t route_rows[kWarps][32];
+    __shared__ float route_w[kWarps][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int warps_total = gridDim.x * kWarps;
     const MessageLayout& m = sh.msg;
     const int64_t rc = int64_t{sh.num_ranks} * sh.capacity;
     const uint8_t* slots = p.my_region + sh.region.disp_slots;
     const int chunks = sh.hidden / 8;
-    for (int64_t g = blockIdx.x * kWarps + (threadIdx.x >> 5); g < rc; g += warps_total) {
+    int64_t* rows = route_rows[warp];
+    float* ws = route_w[warp];
+    for (int64_t g = blockIdx.x * kWarps + warp; g < rc; g += warps_total) {
         const int s = static_cast<int>(g / sh.capacity);
         const int j = static_cast<int>(g % sh.capacity);
         if (j >= p.ws.recv_count[s]) continue;
@@ -38,36 +65,41 @@ __global__ void __launch_bounds__(kThreads) partial_kernel(CombineParams p) {
         }
         const int32_t t = __ldcg(reinterpret_cast<const int32_t*>(msg + m.src_offset));
         const unsigned routes = __ballot_sync(0xffffffffu, row >= 0);
+        const int n = __popc(routes);
+        __syncwarp();  // the previous message's rows are read
+        if (row >= 0) {
+            const int at = __popc(routes & ((1u << lane) - 1u));  // k ascending
+            rows[at] = row;
+            ws[at] = w;
+        }
+        __syncwarp();
         uint16_t* dst = reinterpret_cast<uint16_t*>(p.ws.peers[s] + sh.region.comb_slots) +
                         (int64_t{sh.rank} * sh.capacity + t) * sh.hidden;
-        for (int base = 0; base < chunks; base += 32) {
-            const int c = base + lane;
-            const bool ok = c < chunks;
-            float acc[8];
+        for (int base = 0; base < chunks; base += 64) {
+            const int c0 = base + lane, c1 = c0 + 32;
+            const bool ok0 = c0 < chunks, ok1 = c1 < chunks;
+            float a0[8], a1[8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-            for (unsigned rm = routes; rm; rm &= rm - 1) {
-                const int k = __ffs(rm) - 1;
-                const int64_t r = __shfl_sync(0xffffffffu, row, k);
-                const float wk = __shfl_sync(0xffffffffu, w, k);
-                if (ok) {
-                    const uint4 v = *reinterpret_cast<const uint4*>(p.y + r * sh.hidden + c * 8);
-                    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+            for (int i = 0; i < 8; ++i) a0[i] = a1[i] = 0.0f;
+            for (int j0 = 0; j0 < n; j0 += kBatch) {
+                uint4 v0[kBatch], v1[kBatch];
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        acc[2 * i] = fmaf(wk, num::bf16_to_float(static_cast<uint16_t>(words[i] & 0xffffu)), acc[2 * i]);
-                        acc[2 * i + 1] = fmaf(wk, num::bf16_to_float(static_cast<uint16_t>(words[i] >> 16)), acc[2 * i + 1]);
-                    }
+                for (int b = 0; b < kBatch; ++b) {
+                    const bool has = j0 + b < n;
+                    const uint16_t* yr = p.y + (has ? rows[j0 + b] : 0) * sh.hidden;
+                    v0[b] = has && ok0 ? *reinterpret_cast<const uint4*>(yr + c0 * 8) : make_uint4(0, 0, 0, 0);
+                    v1[b] = has && ok1 ? *reinterpret_cast<const uint4*>(yr + c1 * 8) : make_uint4(0, 0, 0, 0);
                 }
-            }
-            if (ok) {
-                uint32_t out[4];
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    out[i] = static_cast<uint32_t>(num::float_to_bf16(acc[2 * i])) |
-                             (static_cast<uint32_t>(num::float_to_bf16(acc[2 * i + 1])) << 16);
-                *reinterpret_cast<uint4*>(dst + c * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+                for (int b = 0; b < kBatch; ++b)
+                    if (j0 + b < n) {
+                        const float wk = ws[j0 + b];
+                        fma_chunk(a0, wk, v0[b]);
+                        fma_chunk(a1, wk, v1[b]);
+                    }
             }
+            if (ok0) *reinterpret_cast<uint4*>(dst + c0 * 8) = pack_chunk(a0);
+            if (ok1) *reinterpret_cast<uint4*>(dst + c1 * 8) = pack_chunk(a1);
         }
     }
     __syncthreads();
@@ -88,14 +120,34 @@ __global__ void publish_kernel(CombineParams p) {
     if (!ok) p.ws.state[0] = 1;
 }
 
+__device__ __forceinline__ void add_chunk(float (&acc)[8], const uint4& v) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] = __fadd_rn(acc[2 * i], num::bf16_to_float(static_cast<uint16_t>(words[i] & 0xffffu)));
+        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], num::bf16_to_float(static_cast<uint16_t>(words[i] >> 16)));
+    }
+}
+
+__device__ __forceinline__ void load_chunk(float (&acc)[8], const uint4& v) {
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        acc[2 * i] = num::bf16_to_float(static_cast<uint16_t>(words[i] & 0xffffu));
+        acc[2 * i + 1] = num::bf16_to_float(static_cast<uint16_t>(words[i] >> 16));
+    }
+}
+
 __global__ void __launch_bounds__(kThreads) reduce_kernel(CombineParams p) {
     const Shape& sh = p.sh;
     if (p.ws.state[0] != 0) return;
-    const int lane = threadIdx.x & 31;
+    __shared__ int32_t dest_list[kWarps][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int warps_total = gridDim.x * kWarps;
     const int chunks = sh.hidden / 8;
     const uint16_t* slots = reinterpret_cast<const uint16_t*>(p.my_region + sh.region.comb_slots);
-    for (int t = blockIdx.x * kWarps + (threadIdx.x >> 5); t < p.num_tokens; t += warps_total) {
+    int32_t* dl = dest_list[warp];
+    for (int t = blockIdx.x * kWarps + warp; t < p.num_tokens; t += warps_total) {
         const bool active = lane < sh.num_topk;
         const int32_t clean = active ? p.ws.clean_idx[t * sh.num_topk + lane] : -1;
         const int d = clean >= 0 ? clean / sh.e_local : -1;
@@ -103,44 +155,40 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(CombineParams p) {
         const unsigned same = __match_any_sync(0xffffffffu, key);
         const bool first = d >= 0 && (__ffs(same) - 1) == lane;
         const unsigned dests = __ballot_sync(0xffffffffu, first);
-        for (int base = 0; base < chunks; base += 32) {
-            const int c = base + lane;
-            const bool ok = c < chunks;
-            float acc[8];
-            if (ok && p.bias) {
-                const uint4 b = *reinterpret_cast<const uint4*>(p.bias + t * p.bias_stride + c * 8);
-                const uint32_t words[4] = {b.x, b.y, b.z, b.w};
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    acc[2 * i] = num::bf16_to_float(static_cast<uint16_t>(words[i] & 0xffffu));
-                    acc[2 * i + 1] = num::bf16_to_float(static_cast<uint16_t>(words[i] >> 16));
-                }
+        const int n = __popc(dests);
+        __syncwarp();  // the previous token's list is read
+        if (first) dl[__popc(dests & ((1u << lane) - 1u))] = d;  // first-k destination order
+        __syncwarp();
+        for (int base = 0; base < chunks; base += 64) {
+            const int c0 = base + lane, c1 = c0 + 32;
+            const bool ok0 = c0 < chunks, ok1 = c1 < chunks;
+            float a0[8], a1[8];
+            if (p.bias) {
+                const uint16_t* br = p.bias + t * p.bias_stride;
+                load_chunk(a0, ok0 ? *reinterpret_cast<const uint4*>(br + c0 * 8) : make_uint4(0, 0, 0, 0));
+                load_chunk(a1, ok1 ? *reinterpret_cast<const uint4*>(br + c1 * 8) : make_uint4(0, 0, 0, 0));
             } else {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+                for (int i = 0; i < 8; ++i) a0[i] = a1[i] = 0.0f;
             }
-            for (unsigned dm = dests; dm; dm &= dm - 1) {
-                const int k = __ffs(dm) - 1;
-                const int dd = __shfl_sync(0xffffffffu, d, k);
-                if (ok) {
-                    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(slots + (int64_t{dd} * sh.capacity + t) * sh.hidden +
-                                                                          c * 8));
-                    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+            for (int j0 = 0; j0 < n; j0 += kBatch) {
+                uint4 v0[kBatch], v1[kBatch];
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        acc[2 * i] = __fadd_rn(acc[2 * i], num::bf16_to_float(static_cast<uint16_t>(words[i] & 0xffffu)));
-                        acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1], num::bf16_to_float(static_cast<uint16_t>(words[i] >> 16)));
-                    }
+                for (int b = 0; b < kBatch; ++b) {
+                    const bool has = j0 + b < n;
+                    const uint16_t* pr = slots + (int64_t{has ? dl[j0 + b] : 0} * sh.capacity + t) * sh.hidden;
+                    v0[b] = has && ok0 ? __ldcg(reinterpret_cast<const uint4*>(pr + c0 * 8)) : make_uint4(0, 0, 0, 0);
+                    v1[b] = has && ok1 ? __ldcg(reinterpret_cast<const uint4*>(pr + c1 * 8)) : make_uint4(0, 0, 0, 0);
                 }
-            }
-            if (ok) {
-                uint32_t out[4];
 #pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    out[i] = static_cast<uint32_t>(num::float_to_bf16(acc[2 * i])) |
-                             (static_cast<uint32_t>(num::float_to_bf16(acc[2 * i + 1])) << 16);
-                *reinterpret_cast<uint4*>(p.out + t * p.out_stride + c * 8) = make_uint4(out[0], out[1], out[2], out[3]);
+                for (int b = 0; b < kBatch; ++b)
+                    if (j0 + b < n) {
+                        add_chunk(a0, v0[b]);
+                        add_chunk(a1, v1[b]);
+                    }
             }
+            if (ok0) *reinterpret_cast<uint4*>(p.out + t * p.out_stride + c0 * 8) = pack_chunk(a0);
+            if (ok1) *reinterpret_cast<uint4*>(p.out + t * p.out_stride + c1 * 8) = pack_chunk(a1);
         }
     }
 }

@@ -245,11 +245,20 @@ __global__ void __launch_bounds__(kThreads) send_kernel(DispatchParams p) {
         }
         // payload
         if (!p.fp8 || p.prequantized) {
+            // moved as is: 4 loads in flight per lane before their stores
             const int chunks = p.fp8 ? sh.hidden / 16 : sh.hidden / 8;
             const int64_t row_off = t * p.x_stride * (p.fp8 ? 1 : 2);
-            for (int c = lane; c < chunks; c += 32) {
-                const uint4 val = load16(p.x, row_off + c * 16, p.x_aligned);
-                for (int i = 0; i < num_dst; ++i) reinterpret_cast<uint4*>(msgs[i])[c] = val;
+            for (int c0 = lane; c0 < chunks; c0 += 128) {
+                uint4 v[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int c = c0 + 32 * u;
+                    v[u] = c < chunks ? load16(p.x, row_off + c * 16, p.x_aligned) : make_uint4(0, 0, 0, 0);
+                }
+                for (int i = 0; i < num_dst; ++i)
+#pragma unroll
+                    for (int u = 0; u < 4; ++u)
+                        if (c0 + 32 * u < chunks) reinterpret_cast<uint4*>(msgs[i])[c0 + 32 * u] = v[u];
             }
             if (p.prequantized)
                 for (int c = lane; c < p.scale_cols; c += 32) {
@@ -257,28 +266,35 @@ __global__ void __launch_bounds__(kThreads) send_kernel(DispatchParams p) {
                     for (int i = 0; i < num_dst; ++i) reinterpret_cast<uint32_t*>(msgs[i] + m.payload_bytes)[c] = word;
                 }
         } else {
-            // fused quantization: lane owns 8 channels; a group is G/8 consecutive lanes
-            const int lanes_per_group = p.group / 8;
+            // fused quantization: lane owns 16 channels (one 16-byte fp8 store per destination); a
+            // group is G/16 consecutive lanes; the next step's 32 bytes are loaded ahead
+            const int lanes_per_group = p.group / 16;
             if (!p.f32_scales && lane < p.scale_cols * 4 - p.num_groups)
                 for (int i = 0; i < num_dst; ++i) (msgs[i] + m.payload_bytes)[p.num_groups + lane] = 0;
             const int64_t row_off = t * p.x_stride * 2;
-            uint4 next = make_uint4(0, 0, 0, 0);
-            if (lane * 8 < sh.hidden) next = load16(p.x, row_off + lane * 16, p.x_aligned);
-            for (int base = 0; base < sh.hidden; base += 256) {
-                const int ch = base + lane * 8;
+            uint4 next0 = make_uint4(0, 0, 0, 0), next1 = next0;
+            if (lane * 16 < sh.hidden) {
+                next0 = load16(p.x, row_off + lane * 32, p.x_aligned);
+                next1 = load16(p.x, row_off + lane * 32 + 16, p.x_aligned);
+            }
+            for (int base = 0; base < sh.hidden; base += 512) {
+                const int ch = base + lane * 16;
                 const bool ok = ch < sh.hidden;
-                const uint4 raw = next;
-                if (ch + 256 < sh.hidden) next = load16(p.x, row_off + (ch + 256) * 2, p.x_aligned);  // prefetch
-                float f[8];
+                const uint4 raw0 = next0, raw1 = next1;
+                if (ch + 512 < sh.hidden) {  // prefetch
+                    next0 = load16(p.x, row_off + (ch + 512) * 2, p.x_aligned);
+                    next1 = load16(p.x, row_off + (ch + 512) * 2 + 16, p.x_aligned);
+                }
+                float f[16];
                 float amax = 0.0f;
-                const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+                const uint32_t words[8] = {raw0.x, raw0.y, raw0.z, raw0.w, raw1.x, raw1.y, raw1.z, raw1.w};
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
+                for (int i = 0; i < 8; ++i) {
                     f[2 * i] = num::bf16_to_float(static_cast<uint16_t>(words[i] & 0xffffu));
                     f[2 * i + 1] = num::bf16_to_float(static_cast<uint16_t>(words[i] >> 16));
                 }
 #pragma unroll
-                for (int i = 0; i < 8; ++i) amax = num::fmax_ignore_nan(amax, num::abs_bits(f[i]));
+                for (int i = 0; i < 16; ++i) amax = num::fmax_ignore_nan(amax, num::abs_bits(f[i]));
                 for (int o = lanes_per_group / 2; o > 0; o >>= 1)
                     amax = num::fmax_ignore_nan(amax, __shfl_xor_sync(0xffffffffu, amax, o));
                 amax = num::fmax_ignore_nan(amax, num::kAmaxFloor);
@@ -292,9 +308,9 @@ __global__ void __launch_bounds__(kThreads) send_kernel(DispatchParams p) {
                     scale_bits = byte;
                     mul = num::ue8m0_inverse(byte);
                 }
-                uint32_t q[2] = {0, 0};
+                uint32_t q[4] = {0, 0, 0, 0};
 #pragma unroll
-                for (int i = 0; i < 8; i += 2)
+                for (int i = 0; i < 16; i += 2)
                     q[i / 4] |= static_cast<uint32_t>(e4m3x2(__fmul_rn(f[i], mul), __fmul_rn(f[i + 1], mul)))
                                 << (8 * (i % 4));
                 const int gi = ch / p.group;
@@ -302,7 +318,7 @@ __global__ void __launch_bounds__(kThreads) send_kernel(DispatchParams p) {
                 if (ok)
                     for (int i = 0; i < num_dst; ++i) {
                         uint8_t* msg = msgs[i];
-                        *reinterpret_cast<uint2*>(msg + ch) = make_uint2(q[0], q[1]);
+                        *reinterpret_cast<uint4*>(msg + ch) = make_uint4(q[0], q[1], q[2], q[3]);
                         if (leader) {
                             if (p.f32_scales) reinterpret_cast<uint32_t*>(msg + m.payload_bytes)[gi] = scale_bits;
                             else (msg + m.payload_bytes)[gi] = static_cast<uint8_t>(scale_bits);
