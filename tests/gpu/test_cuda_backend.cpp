@@ -158,25 +158,12 @@ struct RankRun {
 void run_round(const Scenario& sc, int r, Buffer& cpu, Buffer& gpu, cudaStream_t stream, const Inputs& in,
                uint64_t seed, const std::string& tag, std::vector<DevBuf>& keep) {
     const BufferConfig& cfg = cpu.config();
-    const int h = cfg.hidden, k = cfg.num_topk;
+    const int h = cfg.hidden;
     const int64_t t = in.t;
     const Device dev{DeviceType::kCUDA, gpu.config().device};
-    const bool fp8 = cfg.payload == Payload::kFP8;
-    const DType sdt = cfg.scale_format == ScaleFormat::kF32G128 ? DType::kFloat32 : DType::kInt32;
-    const int cols = fp8 ? scale_columns(cfg.scale_format, h) : 0;
 
     auto make_args = [&](const void* x, const void* xs, const void* idx, const void* w, Device d) {
-        DispatchArgs a;
-        a.x = TensorRef::contiguous(const_cast<void*>(x), sc.prequant ? DType::kFloat8E4M3 : DType::kBFloat16, {t, h}, d);
-        if (sc.prequant) a.x_scales = TensorRef::contiguous(const_cast<void*>(xs), sdt, {t, cols}, d);
-        a.topk_idx = TensorRef::contiguous(const_cast<void*>(idx), sc.idx64 ? DType::kInt64 : DType::kInt32, {t, k}, d);
-        if (sc.weights) a.topk_weights = TensorRef::contiguous(const_cast<void*>(w), DType::kFloat32, {t, k}, d);
-        a.layout = sc.layout;
-        a.expert_alignment = sc.alignment;
-        a.host_sync = sc.host_sync;
-        a.zero_padding = sc.zero_padding;
-        a.scales_mn_major = sc.mn_major;
-        return a;
+        return dispatch_args(cfg, sc, sc.prequant, t, x, xs, idx, w, d);
     };
     const void* hx = sc.prequant ? static_cast<const void*>(in.x_fp8.data()) : in.x.data();
     const void* hidx = sc.idx64 ? static_cast<const void*>(in.idx64.data()) : in.idx32.data();
@@ -186,7 +173,7 @@ void run_round(const Scenario& sc, int r, Buffer& cpu, Buffer& gpu, cudaStream_t
     const std::vector<int64_t> y_shape = cres.recv_x.shape;
     std::mt19937_64 g(seed ^ 0x9e3779b97f4a7c15ull);
     std::vector<uint16_t> y(static_cast<size_t>(cres.recv_x.numel()));
-    for (auto& v : y) v = random_bf16(g);
+    for (auto& v : y) v = random_bf16(g, false);
     CombineArgs cc;
     cc.y = TensorRef::contiguous(y.data(), DType::kBFloat16, y_shape);
     cc.weighted = sc.weighted;
@@ -223,16 +210,7 @@ void run_round(const Scenario& sc, int r, Buffer& cpu, Buffer& gpu, cudaStream_t
     gc.stream = stream;
     const std::vector<int64_t> g_shape = gres.recv_x.shape;
     // combine before reading anything back: the handle's outputs stay valid until the next dispatch
-    DispatchResult kept;
-    kept.recv_x = gres.recv_x;
-    kept.recv_scales = gres.recv_scales;
-    kept.recv_weights = gres.recv_weights;
-    kept.recv_src = gres.recv_src;
-    kept.m_indices = gres.m_indices;
-    kept.counts = gres.counts;
-    kept.offsets = gres.offsets;
-    kept.num_rows = gres.num_rows;
-    kept.layout = gres.layout;
+    const DispatchResult kept = roundgen::views_of(gres);
     ASSERT_EQ(g_shape, y_shape) << tag;
     CombineResult gout = gpu.combine(std::move(gres.handle), gc);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess) << tag;

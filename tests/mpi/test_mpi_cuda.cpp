@@ -26,7 +26,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <elasticep/elasticep.hpp>
 #include <functional>
 #include <memory>
 #include <random>
@@ -36,6 +35,9 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "common/round_inputs.hpp"
+#include "elasticep/elasticep.hpp"
 
 using namespace elasticep;
 
@@ -77,71 +79,11 @@ class DevMem {
     void* ptr_ = nullptr;
 };
 
-// ---- inputs ---------------------------------------------------------------------------------
+// ---- inputs: tests/common/round_inputs.hpp ---------------------------------------------------
 
-// A random bf16 bit pattern: mostly magnitudes around 1, sometimes large, tiny, zero or (where
-// allowed) NaN, never Inf. Drawn as bits so no float->bf16 conversion of the code under test is used.
-uint16_t random_bf16(std::mt19937_64& g, bool allow_nan) {
-    const uint64_t r = g();
-    const uint16_t sign = static_cast<uint16_t>((r & 1) << 15);
-    const uint16_t mant = static_cast<uint16_t>((r >> 1) & 0x7f);
-    const int mode = static_cast<int>((r >> 8) % 64);
-    int exp = 127 - 4 + static_cast<int>((r >> 16) % 8);  // [2^-4, 2^4)
-    if (mode == 0) exp = 127 + 10 + static_cast<int>((r >> 24) % 8);
-    if (mode == 1) exp = 127 - 30 + static_cast<int>((r >> 24) % 8);
-    if (mode == 2) return sign;  // +-0
-    if (mode == 3 && allow_nan) return 0x7fc0;
-    return static_cast<uint16_t>(sign | (exp << 7) | mant);
-}
-
-struct Inputs {
-    int64_t t = 0;
-    std::vector<uint16_t> x;       // bf16 [T, H]
-    std::vector<uint8_t> x_fp8;    // pre-quantized [T, H]
-    std::vector<uint32_t> scales;  // pre-quantized [T, scale_columns]
-    std::vector<int64_t> idx64;    // [T, K]
-    std::vector<int32_t> idx32;
-    std::vector<float> w;        // [T, K] or empty
-    std::vector<uint16_t> bias;  // [T, H] or empty
-};
-
-Inputs make_inputs(const BufferConfig& c, int64_t t, uint64_t seed, bool prequant, bool weights, bool bias) {
-    std::mt19937_64 g(seed);
-    Inputs in;
-    in.t = t;
-    const int64_t h = c.hidden, k = c.num_topk;
-    if (prequant) {
-        in.x_fp8.resize(static_cast<size_t>(t * h));
-        for (auto& b : in.x_fp8) b = static_cast<uint8_t>(g());
-        in.scales.resize(static_cast<size_t>(t * scale_columns(c.scale_format, c.hidden)));
-        for (auto& s : in.scales) s = static_cast<uint32_t>(g());
-    } else {
-        in.x.resize(static_cast<size_t>(t * h));
-        for (auto& v : in.x) v = random_bf16(g, true);
-    }
-    in.idx64.assign(static_cast<size_t>(t * k), -1);
-    for (int64_t i = 0; i < t; ++i) {
-        if (g() % 16 == 0) continue;  // a token with no routes at all
-        std::vector<int64_t> row;
-        while (static_cast<int64_t>(row.size()) < k) {
-            const int64_t e = static_cast<int64_t>(g() % static_cast<uint64_t>(c.num_experts));
-            if (std::find(row.begin(), row.end(), e) == row.end()) row.push_back(e);
-        }
-        for (int64_t j = 0; j < k; ++j)
-            in.idx64[static_cast<size_t>(i * k + j)] = g() % 8 == 0 ? -1 : row[static_cast<size_t>(j)];
-    }
-    in.idx32.assign(in.idx64.begin(), in.idx64.end());
-    if (weights) {
-        std::uniform_real_distribution<float> u(-1.0f, 1.0f);
-        in.w.resize(static_cast<size_t>(t * k));
-        for (auto& v : in.w) v = u(g);
-    }
-    if (bias) {
-        in.bias.resize(static_cast<size_t>(t * h));
-        for (auto& v : in.bias) v = random_bf16(g, false);
-    }
-    return in;
-}
+using roundgen::Inputs;
+using roundgen::make_inputs;
+using roundgen::random_bf16;
 
 // ---- scenarios ------------------------------------------------------------------------------
 
@@ -256,21 +198,7 @@ DispatchSnap snap_dispatch(const DispatchResult& r, bool device) {
     return s;
 }
 
-// The result's tensors, without the handle (combine consumes it before the GPU outputs are read).
-DispatchResult views_of(const DispatchResult& r) {
-    DispatchResult v;
-    v.layout = r.layout;
-    v.recv_x = r.recv_x;
-    v.recv_scales = r.recv_scales;
-    v.recv_weights = r.recv_weights;
-    v.recv_src = r.recv_src;
-    v.m_indices = r.m_indices;
-    v.counts = r.counts;
-    v.offsets = r.offsets;
-    v.masked_m = r.masked_m;
-    v.num_rows = r.num_rows;
-    return v;
-}
+using roundgen::views_of;
 
 // ---- comparison -----------------------------------------------------------------------------
 
@@ -428,24 +356,11 @@ struct Ctx {
 int run_round(const Ctx& cx, Buffer& cpu, Buffer& gpu, const Inputs& in, const Scenario& sc, bool prequant,
               uint64_t y_seed, const std::string& tag) {
     const BufferConfig& cfg = cpu.config();
-    const int64_t h = cfg.hidden, k = cfg.num_topk, t = in.t;
-    const bool fp8 = cfg.payload == Payload::kFP8;
-    const DType sdt = cfg.scale_format == ScaleFormat::kF32G128 ? DType::kFloat32 : DType::kInt32;
-    const int64_t cols = fp8 ? scale_columns(cfg.scale_format, cfg.hidden) : 0;
+    const int64_t h = cfg.hidden, t = in.t;
     Mismatches mm(cx.rank, tag);
 
     auto make_args = [&](const void* x, const void* xs, const void* idx, const void* w, Device d) {
-        DispatchArgs a;
-        a.x = TensorRef::contiguous(const_cast<void*>(x), prequant ? DType::kFloat8E4M3 : DType::kBFloat16, {t, h}, d);
-        if (prequant) a.x_scales = TensorRef::contiguous(const_cast<void*>(xs), sdt, {t, cols}, d);
-        a.topk_idx = TensorRef::contiguous(const_cast<void*>(idx), sc.idx64 ? DType::kInt64 : DType::kInt32, {t, k}, d);
-        if (sc.weights) a.topk_weights = TensorRef::contiguous(const_cast<void*>(w), DType::kFloat32, {t, k}, d);
-        a.layout = sc.layout;
-        a.expert_alignment = sc.alignment;
-        a.host_sync = sc.host_sync;
-        a.zero_padding = sc.zero_padding;
-        a.scales_mn_major = sc.mn_major;
-        return a;
+        return roundgen::dispatch_args(cfg, sc, prequant, t, x, xs, idx, w, d);
     };
     const void* hx = prequant ? static_cast<const void*>(in.x_fp8.data()) : in.x.data();
     const void* hidx = sc.idx64 ? static_cast<const void*>(in.idx64.data()) : in.idx32.data();
