@@ -38,23 +38,29 @@ __device__ __forceinline__ uint4 pack_chunk(const float (&acc)[8]) {
 // keeps many reads in flight; the arithmetic order (sources ascending) is unchanged.
 constexpr int kBatch = 4;
 
-__global__ void __launch_bounds__(kThreads) partial_kernel(CombineParams p) {
+__global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams p) {
     const Shape& sh = p.sh;
     if (p.ws.state[0] != 0) return;
     __shared__ int64_t route_rows[kWarps][32];
     __shared__ float route_w[kWarps][32];
+    __shared__ int32_t msg_start[kMaxRanksDevice + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int warps_total = gridDim.x * kWarps;
     const MessageLayout& m = sh.msg;
-    const int64_t rc = int64_t{sh.num_ranks} * sh.capacity;
     const uint8_t* slots = p.my_region + sh.region.disp_slots;
     const int chunks = sh.hidden / 8;
     int64_t* rows = route_rows[warp];
     float* ws = route_w[warp];
-    for (int64_t g = blockIdx.x * kWarps + warp; g < rc; g += warps_total) {
-        const int s = static_cast<int>(g / sh.capacity);
-        const int j = static_cast<int>(g % sh.capacity);
-        if (j >= p.ws.recv_count[s]) continue;
+    // work item = (message, slice of the row): with few messages (decode) several warps share one
+    const int num_msgs = fill_message_starts(msg_start, sh, p.ws.recv_count);
+    const int iters = (chunks + 63) / 64;
+    const int slices = max(1, min(iters, warps_total / max(num_msgs, 1)));
+    const int64_t items = int64_t{num_msgs} * slices;
+    for (int64_t item = blockIdx.x * kWarps + warp; item < items; item += warps_total) {
+        const int sl = static_cast<int>(item % slices);
+        const int it0 = sl * iters / slices, it1 = (sl + 1) * iters / slices;
+        int s = 0;
+        const int64_t g = message_slot(msg_start, sh, static_cast<int>(item / slices), s);
         const uint8_t* msg = slots + g * m.bytes;
         const bool active = lane < sh.num_topk;
         int32_t row = -1;
@@ -75,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) partial_kernel(CombineParams p) {
         __syncwarp();
         uint16_t* dst = reinterpret_cast<uint16_t*>(p.ws.peers[s] + sh.region.comb_slots) +
                         (int64_t{sh.rank} * sh.capacity + t) * sh.hidden;
-        for (int base = 0; base < chunks; base += 64) {
+        for (int base = it0 * 64; base < min(chunks, it1 * 64); base += 64) {
             const int c0 = base + lane, c1 = c0 + 32;
             const bool ok0 = c0 < chunks, ok1 = c1 < chunks;
             float a0[8], a1[8];
@@ -138,7 +144,7 @@ __device__ __forceinline__ void load_chunk(float (&acc)[8], const uint4& v) {
     }
 }
 
-__global__ void __launch_bounds__(kThreads) reduce_kernel(CombineParams p) {
+__global__ void __launch_bounds__(kThreads, 2) reduce_kernel(CombineParams p) {
     const Shape& sh = p.sh;
     if (p.ws.state[0] != 0) return;
     __shared__ int32_t dest_list[kWarps][32];
@@ -147,7 +153,13 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(CombineParams p) {
     const int chunks = sh.hidden / 8;
     const uint16_t* slots = reinterpret_cast<const uint16_t*>(p.my_region + sh.region.comb_slots);
     int32_t* dl = dest_list[warp];
-    for (int t = blockIdx.x * kWarps + warp; t < p.num_tokens; t += warps_total) {
+    // work item = (token, slice of its row): with few tokens (decode) several warps share one
+    const int iters = (chunks + 63) / 64;
+    const int slices = max(1, min(iters, warps_total / max(p.num_tokens, 1)));
+    const int64_t items = int64_t{p.num_tokens} * slices;
+    for (int64_t item = blockIdx.x * kWarps + warp; item < items; item += warps_total) {
+        const int t = static_cast<int>(item / slices), sl = static_cast<int>(item % slices);
+        const int it0 = sl * iters / slices, it1 = (sl + 1) * iters / slices;
         const bool active = lane < sh.num_topk;
         const int32_t clean = active ? p.ws.clean_idx[t * sh.num_topk + lane] : -1;
         const int d = clean >= 0 ? clean / sh.e_local : -1;
@@ -159,7 +171,7 @@ __global__ void __launch_bounds__(kThreads) reduce_kernel(CombineParams p) {
         __syncwarp();  // the previous token's list is read
         if (first) dl[__popc(dests & ((1u << lane) - 1u))] = d;  // first-k destination order
         __syncwarp();
-        for (int base = 0; base < chunks; base += 64) {
+        for (int base = it0 * 64; base < min(chunks, it1 * 64); base += 64) {
             const int c0 = base + lane, c1 = c0 + 32;
             const bool ok0 = c0 < chunks, ok1 = c1 < chunks;
             float a0[8], a1[8];

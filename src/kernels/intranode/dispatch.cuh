@@ -189,7 +189,7 @@ __device__ __forceinline__ uint4 load16(const void* base, int64_t byte_off, bool
 
 constexpr int kMaxRanksDevice = 64;
 
-__global__ void __launch_bounds__(kThreads) send_kernel(DispatchParams p) {
+__global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
     const Shape& sh = p.sh;
     // host-sync call rejected (this call's invalid route, or a sticky fault): nothing is sent; the
     // exchange derives the same decision from the same words
@@ -205,13 +205,23 @@ __global__ void __launch_bounds__(kThreads) send_kernel(DispatchParams p) {
     const MessageLayout& m = sh.msg;
     const int64_t slot_base = int64_t{sh.rank} * sh.capacity;
     uint8_t** msgs = dst_msg[warp];
-    for (int t = blockIdx.x * kWarps + warp; t < p.num_tokens; t += warps_total) {
+    // Work item = (token, slice of its row). With few tokens (decode) several warps share a row, so
+    // a row's serial chain of loads is split; with many (prefill) a warp takes whole rows.
+    const bool fused = p.fp8 && !p.prequantized;
+    const int chunks = p.fp8 ? sh.hidden / 16 : sh.hidden / 8;  // 16-byte chunks moved as is
+    const int iters = fused ? (sh.hidden + 511) / 512 : (chunks + 127) / 128;
+    const int slices = max(1, min(iters, warps_total / max(p.num_tokens, 1)));
+    const int64_t items = int64_t{p.num_tokens} * slices;
+    for (int64_t item = blockIdx.x * kWarps + warp; item < items; item += warps_total) {
+        const int t = static_cast<int>(item / slices), sl = static_cast<int>(item % slices);
+        const bool first = sl == 0;
+        const int it0 = sl * iters / slices, it1 = (sl + 1) * iters / slices;
         const bool active = lane < sh.num_topk;
         const int64_t v = active ? load_idx(p.idx, p.idx64, p.idx_stride, t, lane) : -1;
         int kind, dup;
         const int32_t clean = clean_route(v, active, sh.num_experts, kind, dup);
         const int dest = clean >= 0 ? clean / sh.e_local : -1;
-        if (active) p.ws.clean_idx[t * sh.num_topk + lane] = clean;
+        if (active && first) p.ws.clean_idx[t * sh.num_topk + lane] = clean;
         unsigned long long mask = dest >= 0 ? (1ull << dest) : 0ull;
         for (int o = 16; o > 0; o >>= 1) mask |= __shfl_xor_sync(0xffffffffu, mask, o);
         if (mask == 0) continue;
@@ -227,8 +237,8 @@ __global__ void __launch_bounds__(kThreads) send_kernel(DispatchParams p) {
         __syncwarp();
         const float w = (active && p.weights) ? p.weights[t * p.w_stride + lane] : 0.0f;
         const int pos = clean >= 0 ? p.ws.pos_in_expert[t * sh.num_topk + lane] : -1;
-        // metadata
-        {
+        // metadata (the first slice)
+        if (first) {
             int i = 0;
             for (unsigned long long mm = mask; mm; mm &= mm - 1, ++i) {
                 const int d = __ffsll(static_cast<long long>(mm)) - 1;
@@ -246,9 +256,8 @@ __global__ void __launch_bounds__(kThreads) send_kernel(DispatchParams p) {
         // payload
         if (!p.fp8 || p.prequantized) {
             // moved as is: 4 loads in flight per lane before their stores
-            const int chunks = p.fp8 ? sh.hidden / 16 : sh.hidden / 8;
             const int64_t row_off = t * p.x_stride * (p.fp8 ? 1 : 2);
-            for (int c0 = lane; c0 < chunks; c0 += 128) {
+            for (int c0 = it0 * 128 + lane; c0 < min(chunks, it1 * 128); c0 += 128) {
                 uint4 v[4];
 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
@@ -260,7 +269,7 @@ __global__ void __launch_bounds__(kThreads) send_kernel(DispatchParams p) {
                     for (int u = 0; u < 4; ++u)
                         if (c0 + 32 * u < chunks) reinterpret_cast<uint4*>(msgs[i])[c0 + 32 * u] = v[u];
             }
-            if (p.prequantized)
+            if (p.prequantized && first)
                 for (int c = lane; c < p.scale_cols; c += 32) {
                     const uint32_t word = p.x_scales[t * p.xs_stride + c];
                     for (int i = 0; i < num_dst; ++i) reinterpret_cast<uint32_t*>(msgs[i] + m.payload_bytes)[c] = word;
@@ -269,19 +278,20 @@ __global__ void __launch_bounds__(kThreads) send_kernel(DispatchParams p) {
             // fused quantization: lane owns 16 channels (one 16-byte fp8 store per destination); a
             // group is G/16 consecutive lanes; the next step's 32 bytes are loaded ahead
             const int lanes_per_group = p.group / 16;
-            if (!p.f32_scales && lane < p.scale_cols * 4 - p.num_groups)
+            if (first && !p.f32_scales && lane < p.scale_cols * 4 - p.num_groups)
                 for (int i = 0; i < num_dst; ++i) (msgs[i] + m.payload_bytes)[p.num_groups + lane] = 0;
             const int64_t row_off = t * p.x_stride * 2;
+            const int begin = it0 * 512, end = min(sh.hidden, it1 * 512);
             uint4 next0 = make_uint4(0, 0, 0, 0), next1 = next0;
-            if (lane * 16 < sh.hidden) {
-                next0 = load16(p.x, row_off + lane * 32, p.x_aligned);
-                next1 = load16(p.x, row_off + lane * 32 + 16, p.x_aligned);
+            if (begin + lane * 16 < end) {
+                next0 = load16(p.x, row_off + (begin + lane * 16) * 2, p.x_aligned);
+                next1 = load16(p.x, row_off + (begin + lane * 16) * 2 + 16, p.x_aligned);
             }
-            for (int base = 0; base < sh.hidden; base += 512) {
+            for (int base = begin; base < end; base += 512) {
                 const int ch = base + lane * 16;
                 const bool ok = ch < sh.hidden;
                 const uint4 raw0 = next0, raw1 = next1;
-                if (ch + 512 < sh.hidden) {  // prefetch
+                if (ch + 512 < end) {  // prefetch
                     next0 = load16(p.x, row_off + (ch + 512) * 2, p.x_aligned);
                     next1 = load16(p.x, row_off + (ch + 512) * 2 + 16, p.x_aligned);
                 }
@@ -423,9 +433,32 @@ __global__ void __launch_bounds__(256) exchange_kernel(DispatchParams p) {
     }
 }
 
-__global__ void __launch_bounds__(kThreads) expand_kernel(DispatchParams p) {
+// The received messages of this rank, in (sender, slot) order: message i is slot i - start[s] of
+// sender s, where start[s] <= i < start[s + 1]. One thread of each block fills `start`.
+__device__ __forceinline__ int fill_message_starts(int32_t* start, const Shape& sh, const int32_t* recv_count) {
+    if (threadIdx.x == 0) {
+        int32_t at = 0;
+        for (int s = 0; s < sh.num_ranks; ++s) {
+            start[s] = at;
+            at += recv_count[s];
+        }
+        start[sh.num_ranks] = at;
+    }
+    __syncthreads();
+    return start[sh.num_ranks];
+}
+
+__device__ __forceinline__ int64_t message_slot(const int32_t* start, const Shape& sh, int i, int& sender) {
+    int s = 0;
+    while (start[s + 1] <= i) ++s;
+    sender = s;
+    return int64_t{s} * sh.capacity + (i - start[s]);
+}
+
+__global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
     const Shape& sh = p.sh;
     __shared__ int64_t expand_rows[kWarps][32];
+    __shared__ int32_t msg_start[kMaxRanksDevice + 1];
     if (p.ws.state[0] != 0 || p.ws.state[1] != 0) return;
     const int lane = threadIdx.x & 31;
     const int warps_total = gridDim.x * kWarps;
@@ -434,10 +467,18 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(DispatchParams p) {
     const int row_bytes = sh.hidden * (p.fp8 ? 1 : 2);
     const uint8_t* slots = p.my_region + sh.region.disp_slots;
     const int32_t* route_pos = reinterpret_cast<const int32_t*>(p.my_region + sh.region.route_pos);
-    for (int64_t g = blockIdx.x * kWarps + (threadIdx.x >> 5); g < rc; g += warps_total) {
-        const int s = static_cast<int>(g / sh.capacity);
-        const int j = static_cast<int>(g % sh.capacity);
-        if (j >= p.ws.recv_count[s]) continue;
+    // work item = (message, slice of its row): with few messages (decode) several warps share one
+    const int num_msgs = fill_message_starts(msg_start, sh, p.ws.recv_count);
+    const int row_chunks = row_bytes / 16;
+    const int iters = (row_chunks + 127) / 128;
+    const int slices = max(1, min(iters, warps_total / max(num_msgs, 1)));
+    const int64_t items = int64_t{num_msgs} * slices;
+    for (int64_t item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += warps_total) {
+        const int sl = static_cast<int>(item % slices);
+        const bool first = sl == 0;
+        const int it0 = sl * iters / slices, it1 = (sl + 1) * iters / slices;
+        int s = 0;
+        const int64_t g = message_slot(msg_start, sh, static_cast<int>(item / slices), s);
         const uint8_t* msg = slots + g * m.bytes;
         const bool active = lane < sh.num_topk;
         int32_t v = -1;
@@ -454,22 +495,32 @@ __global__ void __launch_bounds__(kThreads) expand_kernel(DispatchParams p) {
         if (local) {
             pos = __ldcg(route_pos + g * sh.num_topk + lane) + p.ws.base[s * sh.e_local + l];
             row = p.contiguous ? p.ws.start[l] + pos : l * rc + pos;
-            p.rw[row] = w;
-            p.rs[row] = static_cast<int32_t>(s * sh.capacity + src_t);
-            if (p.mi) p.mi[row] = l;
+            if (first) {
+                p.rw[row] = w;
+                p.rs[row] = static_cast<int32_t>(s * sh.capacity + src_t);
+                if (p.mi) p.mi[row] = l;
+            }
         }
-        if (active) p.ws.recv_rows[g * sh.num_topk + lane] = static_cast<int32_t>(row);
+        if (active && first) p.ws.recv_rows[g * sh.num_topk + lane] = static_cast<int32_t>(row);
         const unsigned locals = __ballot_sync(0xffffffffu, local);
         const int num_local = __popc(locals);
         // rows of the local routes, k ascending, for the whole warp
         int64_t* rows = expand_rows[threadIdx.x >> 5];
         if (local) rows[__popc(locals & ((1u << lane) - 1u))] = row;
         __syncwarp();
-        for (int c = lane; c < row_bytes / 16; c += 32) {
-            const uint4 val = __ldcg(reinterpret_cast<const uint4*>(msg) + c);
-            for (int i = 0; i < num_local; ++i) reinterpret_cast<uint4*>(p.rx + rows[i] * row_bytes)[c] = val;
+        // 4 loads in flight per lane before their stores
+        for (int c0 = it0 * 128 + lane; c0 < min(row_chunks, it1 * 128); c0 += 128) {
+            uint4 val[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+                val[u] = c0 + 32 * u < row_chunks ? __ldcg(reinterpret_cast<const uint4*>(msg) + c0 + 32 * u)
+                                                  : make_uint4(0, 0, 0, 0);
+            for (int i = 0; i < num_local; ++i)
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+                    if (c0 + 32 * u < row_chunks) reinterpret_cast<uint4*>(p.rx + rows[i] * row_bytes)[c0 + 32 * u] = val[u];
         }
-        if (p.scale_cols > 0) {
+        if (p.scale_cols > 0 && first) {
             for (unsigned lm = locals; lm; lm &= lm - 1) {
                 const int k = __ffs(lm) - 1;
                 const int64_t r = __shfl_sync(0xffffffffu, row, k);
