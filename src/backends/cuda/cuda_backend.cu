@@ -418,12 +418,7 @@ class CudaBackend final : public BackendBuffer {
         const int64_t t_count = req.num_tokens;
 
         kernels::DispatchParams p{};
-        p.sh = shape();
-        p.ws = ws_;
-        p.my_region = static_cast<uint8_t*>(region_ptr_);
-        p.rec = rec_dev_;
-        p.timeout_ns = static_cast<uint64_t>(cfg_.timeout.count()) * 1000000ull;
-        p.num_tokens = static_cast<int>(t_count);
+        fill_common(p, t_count);
         p.x = a.x.data;
         const int xelem = static_cast<int>(dtype_size(a.x.dtype));
         p.x_stride = t_count > 1 ? a.x.stride(0) : cfg_.hidden;
@@ -552,12 +547,7 @@ class CudaBackend final : public BackendBuffer {
         cudaStream_t stream = args.stream ? static_cast<cudaStream_t>(args.stream) : own_stream_;
         const int64_t t_count = handle.num_tokens;
         kernels::CombineParams p{};
-        p.sh = shape();
-        p.ws = ws_;
-        p.my_region = static_cast<uint8_t*>(region_ptr_);
-        p.rec = rec_dev_;
-        p.timeout_ns = static_cast<uint64_t>(cfg_.timeout.count()) * 1000000ull;
-        p.num_tokens = static_cast<int>(t_count);
+        fill_common(p, t_count);
         p.y = static_cast<const uint16_t*>(args.y.data);
         ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(args.y.data) % 16 == 0, "combine: y must be 16-byte aligned for "
                             "the CUDA backend");
@@ -597,6 +587,18 @@ class CudaBackend final : public BackendBuffer {
     }
 
    private:
+    // The fields DispatchParams and CombineParams share.
+    template <class Params>
+    void fill_common(Params& p, int64_t num_tokens) const {
+        p.sh = shape();
+        p.ws = ws_;
+        p.my_region = static_cast<uint8_t*>(region_ptr_);
+        p.rec = rec_dev_;
+        p.timeout_ns = static_cast<uint64_t>(cfg_.timeout.count()) * 1000000ull;
+        p.sync_mode = kernels::kDevice;
+        p.num_tokens = static_cast<int>(num_tokens);
+    }
+
     kernels::Shape shape() const {
         kernels::Shape s{};
         s.rank = rank_;
