@@ -442,9 +442,7 @@ class CudaBackend final : public BackendBuffer {
         p.zero_padding = a.zero_padding;
         p.alignment = contiguous ? a.expert_alignment : 1;
 
-        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        ELASTICEP_CUDA_CALL(cudaStreamIsCapturing(stream, &capture));
-        const bool capturing = capture != cudaStreamCaptureStatusNone;
+        const bool capturing = is_capturing(stream);
         ELASTICEP_CHECK_ARG(!(capturing && a.host_sync), "dispatch: host_sync=true cannot be captured in a CUDA graph "
                             "(it reads the row count on the host); pass host_sync=false (graph mode) while capturing");
 
@@ -483,15 +481,7 @@ class CudaBackend final : public BackendBuffer {
         ELASTICEP_CUDA_CALL(cudaGetLastError());
         kernels::send_kernel<<<grid, kernels::kThreads, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
-        if (host_waits_ && !capturing) {
-            p.sync_mode = kernels::kPublishOnly;
-            kernels::exchange_kernel<<<1, 256, 0, stream>>>(p);
-            ELASTICEP_CUDA_CALL(cudaGetLastError());
-            host_wait(stream, kernels::kPhaseDispatch);
-            p.sync_mode = kernels::kWaitOnly;
-        }
-        kernels::exchange_kernel<<<1, 256, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        meet_peers(kernels::exchange_kernel, 256, p, stream, capturing, kernels::kPhaseDispatch);
 
         int64_t rows_out = contiguous ? req.rows_cap : rc;
         if (p.host_sync) {
@@ -536,7 +526,7 @@ class CudaBackend final : public BackendBuffer {
         }
         kernels::expand_kernel<<<grid, kernels::kThreads, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
-        finish(stream, a.stream == nullptr);
+        finish(stream, a.stream == nullptr, capturing);
         handle.num_sms = num_sms_;
         handle.backend_data = nullptr;
     }
@@ -568,28 +558,17 @@ class CudaBackend final : public BackendBuffer {
         const int sms = handle.num_sms > 0 ? handle.num_sms : num_sms_;
         kernels::partial_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
-        cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-        ELASTICEP_CUDA_CALL(cudaStreamIsCapturing(stream, &capture));
-        if (host_waits_ && capture == cudaStreamCaptureStatusNone) {
-            p.sync_mode = kernels::kPublishOnly;
-            kernels::publish_kernel<<<1, 32, 0, stream>>>(p);
-            ELASTICEP_CUDA_CALL(cudaGetLastError());
-            host_wait(stream, kernels::kPhaseCombine);
-            p.sync_mode = kernels::kWaitOnly;
-        }
-        kernels::publish_kernel<<<1, 32, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        const bool capturing = is_capturing(stream);
+        meet_peers(kernels::publish_kernel, 32, p, stream, capturing, kernels::kPhaseCombine);
         kernels::reduce_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
-        finish(stream, args.stream == nullptr);
+        finish(stream, args.stream == nullptr, capturing);
         if (args.stream == nullptr) raise_timeout();
         return out;
     }
 
    private:
-    // The fields DispatchParams and CombineParams share.
-    template <class Params>
-    void fill_common(Params& p, int64_t num_tokens) const {
+    void fill_common(kernels::CallParams& p, int64_t num_tokens) const {
         p.sh = shape();
         p.ws = ws_;
         p.my_region = static_cast<uint8_t*>(region_ptr_);
@@ -635,10 +614,30 @@ class CudaBackend final : public BackendBuffer {
         return w;
     }
 
-    void finish(cudaStream_t stream, bool synchronous) {
+    static bool is_capturing(cudaStream_t stream) {
         cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
         ELASTICEP_CUDA_CALL(cudaStreamIsCapturing(stream, &capture));
-        if (capture != cudaStreamCaptureStatusNone) return;  // replays are the caller's to synchronise
+        return capture != cudaStreamCaptureStatusNone;
+    }
+
+    // Launches the one-block kernel that publishes this rank's epoch and waits for the peers'.
+    // With host waits (kernels::SyncMode; never inside a capture) it runs twice: publish only, the
+    // host waits on the flags, then a wait-only launch that finds them set.
+    template <class Params>
+    void meet_peers(void (*kernel)(Params), int threads, Params& p, cudaStream_t stream, bool capturing, int32_t phase) {
+        if (host_waits_ && !capturing) {
+            p.sync_mode = kernels::kPublishOnly;
+            kernel<<<1, threads, 0, stream>>>(p);
+            ELASTICEP_CUDA_CALL(cudaGetLastError());
+            host_wait(stream, phase);
+            p.sync_mode = kernels::kWaitOnly;
+        }
+        kernel<<<1, threads, 0, stream>>>(p);
+        ELASTICEP_CUDA_CALL(cudaGetLastError());
+    }
+
+    void finish(cudaStream_t stream, bool synchronous, bool capturing) {
+        if (capturing) return;  // replays are the caller's to synchronise
         ELASTICEP_CUDA_CALL(cudaEventRecord(last_event_, stream));
         has_event_ = true;
         if (synchronous) ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));

@@ -51,16 +51,16 @@ __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams p) {
     const int chunks = sh.hidden / 8;
     int64_t* rows = route_rows[warp];
     float* ws = route_w[warp];
-    // work item = (message, slice of the row): with few messages (decode) several warps share one
+    // work items: RowSlice over the received messages
     const int num_msgs = fill_message_starts(msg_start, sh, p.ws.recv_count);
     const int iters = (chunks + 63) / 64;
-    const int slices = max(1, min(iters, warps_total / max(num_msgs, 1)));
+    const int slices = row_slices(num_msgs, iters, warps_total);
     const int64_t items = int64_t{num_msgs} * slices;
     for (int64_t item = blockIdx.x * kWarps + warp; item < items; item += warps_total) {
-        const int sl = static_cast<int>(item % slices);
-        const int it0 = sl * iters / slices, it1 = (sl + 1) * iters / slices;
+        const RowSlice slice = row_slice(item, slices, iters);
+        const int it0 = slice.begin, it1 = slice.end;
         int s = 0;
-        const int64_t g = message_slot(msg_start, sh, static_cast<int>(item / slices), s);
+        const int64_t g = message_slot(msg_start, sh, slice.row, s);
         const uint8_t* msg = slots + g * m.bytes;
         const bool active = lane < sh.num_topk;
         int32_t row = -1;
@@ -153,13 +153,13 @@ __global__ void __launch_bounds__(kThreads, 2) reduce_kernel(CombineParams p) {
     const int chunks = sh.hidden / 8;
     const uint16_t* slots = reinterpret_cast<const uint16_t*>(p.my_region + sh.region.comb_slots);
     int32_t* dl = dest_list[warp];
-    // work item = (token, slice of its row): with few tokens (decode) several warps share one
+    // work items: RowSlice over this rank's tokens
     const int iters = (chunks + 63) / 64;
-    const int slices = max(1, min(iters, warps_total / max(p.num_tokens, 1)));
+    const int slices = row_slices(p.num_tokens, iters, warps_total);
     const int64_t items = int64_t{p.num_tokens} * slices;
     for (int64_t item = blockIdx.x * kWarps + warp; item < items; item += warps_total) {
-        const int t = static_cast<int>(item / slices), sl = static_cast<int>(item % slices);
-        const int it0 = sl * iters / slices, it1 = (sl + 1) * iters / slices;
+        const RowSlice slice = row_slice(item, slices, iters);
+        const int t = slice.row, it0 = slice.begin, it1 = slice.end;
         const bool active = lane < sh.num_topk;
         const int32_t clean = active ? p.ws.clean_idx[t * sh.num_topk + lane] : -1;
         const int d = clean >= 0 ? clean / sh.e_local : -1;

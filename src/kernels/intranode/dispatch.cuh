@@ -187,6 +187,23 @@ __device__ __forceinline__ uint4 load16(const void* base, int64_t byte_off, bool
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// Work split of a kernel whose unit is a row of `steps` serial steps: with fewer rows than warps
+// (decode) a row's steps are split over several warps, otherwise (prefill) a warp takes whole rows.
+// Work item i is slice i % slices of row i / slices and covers steps [begin, end).
+struct RowSlice {
+    int row, begin, end;
+    bool first;  // the slice that also writes the row's metadata
+};
+
+__device__ __forceinline__ int row_slices(int rows, int steps, int warps) {
+    return max(1, min(steps, warps / max(rows, 1)));
+}
+
+__device__ __forceinline__ RowSlice row_slice(int64_t item, int slices, int steps) {
+    const int sl = static_cast<int>(item % slices);
+    return {static_cast<int>(item / slices), sl * steps / slices, (sl + 1) * steps / slices, sl == 0};
+}
+
 constexpr int kMaxRanksDevice = 64;
 
 __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
@@ -205,17 +222,16 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
     const MessageLayout& m = sh.msg;
     const int64_t slot_base = int64_t{sh.rank} * sh.capacity;
     uint8_t** msgs = dst_msg[warp];
-    // Work item = (token, slice of its row). With few tokens (decode) several warps share a row, so
-    // a row's serial chain of loads is split; with many (prefill) a warp takes whole rows.
+    // work items: RowSlice over this rank's tokens
     const bool fused = p.fp8 && !p.prequantized;
     const int chunks = p.fp8 ? sh.hidden / 16 : sh.hidden / 8;  // 16-byte chunks moved as is
     const int iters = fused ? (sh.hidden + 511) / 512 : (chunks + 127) / 128;
-    const int slices = max(1, min(iters, warps_total / max(p.num_tokens, 1)));
+    const int slices = row_slices(p.num_tokens, iters, warps_total);
     const int64_t items = int64_t{p.num_tokens} * slices;
     for (int64_t item = blockIdx.x * kWarps + warp; item < items; item += warps_total) {
-        const int t = static_cast<int>(item / slices), sl = static_cast<int>(item % slices);
-        const bool first = sl == 0;
-        const int it0 = sl * iters / slices, it1 = (sl + 1) * iters / slices;
+        const RowSlice slice = row_slice(item, slices, iters);
+        const int t = slice.row, it0 = slice.begin, it1 = slice.end;
+        const bool first = slice.first;
         const bool active = lane < sh.num_topk;
         const int64_t v = active ? load_idx(p.idx, p.idx64, p.idx_stride, t, lane) : -1;
         int kind, dup;
@@ -467,18 +483,18 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
     const int row_bytes = sh.hidden * (p.fp8 ? 1 : 2);
     const uint8_t* slots = p.my_region + sh.region.disp_slots;
     const int32_t* route_pos = reinterpret_cast<const int32_t*>(p.my_region + sh.region.route_pos);
-    // work item = (message, slice of its row): with few messages (decode) several warps share one
+    // work items: RowSlice over the received messages
     const int num_msgs = fill_message_starts(msg_start, sh, p.ws.recv_count);
     const int row_chunks = row_bytes / 16;
     const int iters = (row_chunks + 127) / 128;
-    const int slices = max(1, min(iters, warps_total / max(num_msgs, 1)));
+    const int slices = row_slices(num_msgs, iters, warps_total);
     const int64_t items = int64_t{num_msgs} * slices;
     for (int64_t item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += warps_total) {
-        const int sl = static_cast<int>(item % slices);
-        const bool first = sl == 0;
-        const int it0 = sl * iters / slices, it1 = (sl + 1) * iters / slices;
+        const RowSlice slice = row_slice(item, slices, iters);
+        const int it0 = slice.begin, it1 = slice.end;
+        const bool first = slice.first;
         int s = 0;
-        const int64_t g = message_slot(msg_start, sh, static_cast<int>(item / slices), s);
+        const int64_t g = message_slot(msg_start, sh, slice.row, s);
         const uint8_t* msg = slots + g * m.bytes;
         const bool active = lane < sh.num_topk;
         int32_t v = -1;

@@ -83,7 +83,9 @@ struct Shape {
     RegionLayout region;
 };
 
-struct DispatchParams {
+// What every kernel of a call needs: the shapes, this rank's workspace and region, its host record,
+// the wait bound, how the call meets its peers, and this rank's token count.
+struct CallParams {
     Shape sh;
     Workspace ws;
     uint8_t* my_region;
@@ -91,6 +93,9 @@ struct DispatchParams {
     uint64_t timeout_ns;
     int32_t sync_mode;
     int num_tokens;
+};
+
+struct DispatchParams : CallParams {
     // inputs
     const void* x;
     int64_t x_stride;  // elements
@@ -117,14 +122,7 @@ struct DispatchParams {
     int32_t* mi;
 };
 
-struct CombineParams {
-    Shape sh;
-    Workspace ws;
-    uint8_t* my_region;
-    HostRecord* rec;
-    uint64_t timeout_ns;
-    int32_t sync_mode;
-    int num_tokens;
+struct CombineParams : CallParams {
     const uint16_t* y;
     bool weighted;
     const uint16_t* bias;
