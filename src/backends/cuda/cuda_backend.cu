@@ -48,6 +48,7 @@
 #include "core/layout.hpp"
 #include "core/outputs.hpp"
 #include "core/routing.hpp"
+#include "kernels/common/cuda_check.hpp"
 #include "kernels/intranode/combine.cuh"
 #include "kernels/intranode/dispatch.cuh"
 
@@ -62,13 +63,6 @@ using kernels::RegionLayout;
 using kernels::RouteStatus;
 using kernels::Workspace;
 
-#define ELASTICEP_CUDA_CALL(expr)                                                                        \
-    do {                                                                                                 \
-        const cudaError_t err_ = (expr);                                                                 \
-        if (err_ != cudaSuccess)                                                                         \
-            ::elasticep::detail::raise(::elasticep::ErrorCode::kCuda,                                    \
-                                       ::elasticep::detail::cat(#expr, " failed: ", cudaGetErrorString(err_))); \
-    } while (0)
 
 MessageLayout message_layout(const BufferConfig& c) {
     const bool fp8 = c.payload == Payload::kFP8;
