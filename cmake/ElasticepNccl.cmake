@@ -28,22 +28,25 @@ else()
     message(STATUS "ElasticEP NCCL: ${NCCL_VERSION} from ${NCCL_FOUND_IN} (${NCCL_INCLUDE_DIR}/nccl.h, "
                    "${NCCL_LIBRARY}); used for its version only")
   else()
-    set(_searched "NCCL_ROOT, NCCL_HOME, CMAKE_PREFIX_PATH, the CUDA toolkit")
+    set(_searched "searched NCCL_ROOT, NCCL_HOME, CMAKE_PREFIX_PATH, the CUDA toolkit")
     if(CMAKE_CUDA_COMPILER)
       string(APPEND _searched " of ${CMAKE_CUDA_COMPILER}")
     endif()
     string(APPEND _searched ", the nvidia-nccl wheel of the building Python, the system paths")
     set(_what "nccl.h and libnccl")
-    if(NCCL_INCLUDE_DIR)
+    if(NCCL_NOT_FOUND_REASON)  # a path was given: nothing was searched
+      set(_what "the given NCCL")
+      set(_searched "${NCCL_NOT_FOUND_REASON}")
+    elseif(NCCL_INCLUDE_DIR)
       set(_what "libnccl (nccl.h is in ${NCCL_INCLUDE_DIR})")
     elseif(NCCL_LIBRARY)
       set(_what "nccl.h (libnccl is ${NCCL_LIBRARY})")
     endif()
     if(_elasticep_nccl STREQUAL "ON")
-      message(FATAL_ERROR "ELASTICEP_NCCL=ON but ${_what} not found (searched ${_searched}). "
+      message(FATAL_ERROR "ELASTICEP_NCCL=ON but ${_what} not found (${_searched}). "
                           "Set NCCL_ROOT to the NCCL install, or configure with -DELASTICEP_NCCL=AUTO.")
     endif()
-    message(STATUS "ElasticEP NCCL: ${_what} not found (searched ${_searched}); the CUDA backend is built "
+    message(STATUS "ElasticEP NCCL: ${_what} not found (${_searched}); the CUDA backend is built "
                    "without it and `elasticep info` reports no NCCL version. Set NCCL_ROOT to use one.")
   endif()
 endif()

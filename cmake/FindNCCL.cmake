@@ -17,6 +17,7 @@
 #
 # Results:
 #   NCCL_FOUND, NCCL_VERSION ("2.28.9", from nccl.h), NCCL_INCLUDE_DIR, NCCL_LIBRARY,
+#   NCCL_NOT_FOUND_REASON (a given path without the file it names, else ""),
 #   NCCL_FOUND_IN (one of "NCCL_ROOT", "NCCL_HOME", "CMAKE_PREFIX_PATH", "CUDA toolkit",
 #                  "Python wheel", "system", "given")
 #   NCCL::nccl     imported library: libnccl and its headers (for code that calls NCCL)
@@ -115,6 +116,18 @@ find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR
              HINTS ${_nccl_next_to_header} ${_nccl_hints} PATH_SUFFIXES lib64 lib
              DOC "libnccl (NCCL)")
 
+# Paths given on the command line (or left in a cache) must still hold the files.
+set(NCCL_NOT_FOUND_REASON "")
+if(NCCL_INCLUDE_DIR AND NOT EXISTS "${NCCL_INCLUDE_DIR}/nccl.h")
+  set(NCCL_NOT_FOUND_REASON "NCCL_INCLUDE_DIR=${NCCL_INCLUDE_DIR} holds no nccl.h")
+elseif(NCCL_LIBRARY AND NOT EXISTS "${NCCL_LIBRARY}")
+  set(NCCL_NOT_FOUND_REASON "NCCL_LIBRARY=${NCCL_LIBRARY} does not exist")
+endif()
+set(_nccl_files_exist TRUE)
+if(NCCL_NOT_FOUND_REASON)
+  set(_nccl_files_exist FALSE)
+endif()
+
 set(NCCL_VERSION "")
 if(NCCL_INCLUDE_DIR AND EXISTS "${NCCL_INCLUDE_DIR}/nccl.h")
   file(STRINGS "${NCCL_INCLUDE_DIR}/nccl.h" _nccl_defs REGEX "^#define NCCL_(MAJOR|MINOR|PATCH) +[0-9]+")
@@ -129,7 +142,7 @@ endif()
 
 # Which of the places above the header came from (for the configure line).
 set(NCCL_FOUND_IN "")
-if(NCCL_INCLUDE_DIR)
+if(NCCL_INCLUDE_DIR AND _nccl_files_exist)
   file(REAL_PATH "${NCCL_INCLUDE_DIR}" _inc)
   set(_nccl_origins "")
   foreach(_r IN ITEMS "${NCCL_ROOT}" "$ENV{NCCL_ROOT}")
@@ -177,7 +190,8 @@ if(NCCL_INCLUDE_DIR)
 endif()
 
 include(FindPackageHandleStandardArgs)
-find_package_handle_standard_args(NCCL REQUIRED_VARS NCCL_LIBRARY NCCL_INCLUDE_DIR VERSION_VAR NCCL_VERSION)
+find_package_handle_standard_args(NCCL REQUIRED_VARS NCCL_LIBRARY NCCL_INCLUDE_DIR _nccl_files_exist
+                                  VERSION_VAR NCCL_VERSION REASON_FAILURE_MESSAGE "${NCCL_NOT_FOUND_REASON}")
 mark_as_advanced(NCCL_INCLUDE_DIR NCCL_LIBRARY)
 
 if(NCCL_FOUND)

@@ -103,4 +103,7 @@ probe(toolkit_beats_wheel 2.28.9 "CUDA toolkit" ${toolkit}/${target_dir}/lib/lib
 # given paths are taken as they are
 probe(given 2.21.5 given ${prefix}/lib/libnccl.so
       DEFS ${no_py} -DNCCL_INCLUDE_DIR=${prefix}/include -DNCCL_LIBRARY=${prefix}/lib/libnccl.so)
+# a given (or cached) path whose files are gone is not taken
+probe(given_missing none "" "" DEFS ${no_py} -DNCCL_INCLUDE_DIR=${WORK_DIR}/gone/include
+      -DNCCL_LIBRARY=${WORK_DIR}/gone/lib/libnccl.so)
 message(STATUS "FindNCCL: every case found the install it should")
