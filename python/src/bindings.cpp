@@ -486,8 +486,8 @@ NB_MODULE(_C, m) {
         "count_traffic",
         [](int num_ranks, int rank, int num_experts, int num_topk, int hidden, const std::string& payload,
            const std::string& scale_format, nb::ndarray<nb::ro, nb::device::cpu> topk_idx, bool prequantized) {
-            const BufferConfig c = make_config(num_experts, num_topk, hidden, 1, payload, scale_format, "direct", 0,
-                                               0, 30.0, -1);
+            const BufferConfig c =
+                make_config(num_experts, num_topk, hidden, 1, payload, scale_format, "direct", 0, 0, 30.0, -1);
             const bool i64 = topk_idx.dtype() == nb::dtype<int64_t>(), i32 = topk_idx.dtype() == nb::dtype<int32_t>();
             if (!i64 && !i32) raise_arg("count_traffic: topk_idx must be int32 or int64");
             TensorRef t;
@@ -509,6 +509,6 @@ NB_MODULE(_C, m) {
             d["combine_hbm_bytes"] = tr.combine_hbm_bytes;
             return d;
         },
-        "num_ranks"_a, "rank"_a, "num_experts"_a, "num_topk"_a, "hidden"_a, "payload"_a, "scale_format"_a,
-        "topk_idx"_a, "prequantized"_a);
+        "num_ranks"_a, "rank"_a, "num_experts"_a, "num_topk"_a, "hidden"_a, "payload"_a, "scale_format"_a, "topk_idx"_a,
+        "prequantized"_a);
 }

@@ -18,7 +18,7 @@ endfunction()
 # R (its first result row)
 macro(run_case name want_rc)
   set(CURRENT_CASE ${name})
-  execute_process(COMMAND ${CLI} bench ${ARGN} --json --no-progress
+  execute_process(COMMAND ${CLI} bench ${ARGN} --json --no-progress --backend cpu
                   RESULT_VARIABLE rc OUTPUT_VARIABLE JSON ERROR_VARIABLE err)
   if(NOT rc STREQUAL "${want_rc}")
     message(FATAL_ERROR "${name}: exit code ${rc}, want ${want_rc}\n${JSON}\n${err}")
@@ -101,7 +101,7 @@ math(EXPR want "30 * ${msg}")
 expect_eq("traffic dispatch_peer_bytes" ${v} ${want})
 # --json FILE: the table on stdout, the JSON (same counts) in the file
 execute_process(COMMAND ${CLI} bench --ranks 3 --tokens 5 --hidden 64 --experts 6 --topk 6 --payload bf16 --rounds 1
-                        --warmup 0 --json ${WORK_DIR}/file.json --no-progress
+                        --warmup 0 --json ${WORK_DIR}/file.json --no-progress --backend cpu
                 RESULT_VARIABLE rc OUTPUT_VARIABLE text ERROR_VARIABLE err)
 expect_eq("--json FILE exit code" "${rc}" 0)
 if(NOT text MATCHES "summary: PASS")
