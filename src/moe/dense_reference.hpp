@@ -22,9 +22,11 @@
 // of the size of the values themselves, tens of sigmas.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "elasticep/serving.hpp"
@@ -200,6 +202,23 @@ Tracked moe_token(const uint16_t* x, int64_t h, const int64_t* idx, const float*
     }
     add_rounding(out, kUb);  // the combine output
     return out;
+}
+
+// fn(i) for i in [0, n) on up to `threads` threads (the reference is the slow part of a check).
+template <class Fn>
+void parallel_for(int64_t n, int threads, Fn&& fn) {
+    const int t = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
+    std::vector<std::thread> pool;
+    for (int i = 0; i < t; ++i)
+        pool.emplace_back([&, i] {
+            for (int64_t j = i; j < n; j += t) fn(j);
+        });
+    for (auto& th : pool) th.join();
+}
+
+inline int hardware_threads() {
+    const unsigned n = std::thread::hardware_concurrency();
+    return n == 0 ? 1 : static_cast<int>(n);
 }
 
 // How far a tested output is from the reference, in the model's units.

@@ -13,6 +13,7 @@
 
 #include "core/numerics.hpp"
 #include "elasticep/serving.hpp"
+#include "moe/dense_reference.hpp"
 
 namespace elasticep::moe_ref {
 
