@@ -7,6 +7,7 @@
 #include <iostream>
 
 #include "commands.hpp"
+#include "moe_layer.hpp"
 #include "elasticep/error.hpp"
 #include "elasticep/version.hpp"
 
@@ -170,6 +171,9 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"none", "dispatch", "combine"}))
         ->capture_default_str();
 
+    MoeLayerCli moe;
+    add_moe_layer_options(bench, moe);  // bench --moe-layer (tools/moe_layer.cpp)
+
     // ---- info ----
     InfoOptions io;
     Choices ic;
@@ -212,7 +216,7 @@ int main(int argc, char** argv) {
     }
 
     try {
-        if (bench->parsed()) return run_bench_command(bs, bo);
+        if (bench->parsed()) return moe.enabled ? run_moe_layer_command(bench, bs, bo.json, moe) : run_bench_command(bs, bo);
         if (info->parsed()) return run_info_command(io);
         if (check->parsed()) return run_check_command(co);
     } catch (const Error& e) {
