@@ -693,12 +693,12 @@ def synthetic_expert_weights(kind, num_experts, hidden, intermediate, *, first_e
         device = like.device if isinstance(like, torch.Tensor) else torch.device(like)
         conv = {}
         for k, v in out.items():
-            t = torch.from_numpy(v).to(device)
-            if v.dtype == np.uint16:
-                t = t.view(torch.int16).view(torch.bfloat16)
+            if v.dtype == np.uint16:  # bf16 bits: through int16, which every torch version moves and views
+                conv[k] = torch.from_numpy(v.view(np.int16)).to(device).view(torch.bfloat16)
             elif v.dtype == np.uint8:
-                t = t.view(torch.float8_e4m3fn)
-            conv[k] = t
+                conv[k] = torch.from_numpy(v).to(device).view(torch.float8_e4m3fn)
+            else:
+                conv[k] = torch.from_numpy(v).to(device)
         out = conv
     return out
 

@@ -306,6 +306,19 @@ void ReferenceMoeLayer::forward(const MoeDispatchOutput& in, const TensorRef& y,
         y.dtype == DType::kBFloat16 && y.shape == x.shape && y.device == x.device && y.stride(y.ndim() - 1) == 1,
         "ReferenceMoeLayer.forward: y is ", y.describe(), " but must be bf16 in the shape of hidden_states (",
         x.describe(), ") with contiguous rows");
+    if (in.hidden_states_scale) {
+        const TensorRef& sc = *in.hidden_states_scale;
+        std::vector<int64_t> want = x.shape;
+        want.back() = scale_columns(in.scale_format, w.hidden);
+        ELASTICEP_CHECK_ARG(
+            sc.shape == want && sc.device == x.device &&
+                sc.dtype == (in.scale_format == ScaleFormat::kF32G128 ? DType::kFloat32 : DType::kInt32),
+            "ReferenceMoeLayer.forward: hidden_states_scale is ", sc.describe(), " but ",
+            scale_format_name(in.scale_format), " scales of ", x.describe(), " must be ",
+            TensorRef::contiguous(nullptr, in.scale_format == ScaleFormat::kF32G128 ? DType::kFloat32 : DType::kInt32,
+                                  want, x.device)
+                .describe());
+    }
     ELASTICEP_CHECK_ARG(in.counts.numel() == e && (masked ? in.masked_m.numel() == e : in.offsets.numel() == e + 1),
                         "ReferenceMoeLayer.forward: the dispatch's counts/offsets do not describe ", e,
                         " local experts");
