@@ -319,6 +319,10 @@ void ReferenceMoeLayer::forward(const MoeDispatchOutput& in, const TensorRef& y,
                                   want, x.device)
                 .describe());
     }
+    for (const TensorRef* t : {&in.counts, masked ? &in.masked_m : &in.offsets})
+        ELASTICEP_CHECK_ARG(t->device == x.device && t->dtype == DType::kInt32,
+                            "ReferenceMoeLayer.forward: counts/offsets ", t->describe(), " must be int32 on ",
+                            device_name(x.device), " with hidden_states");
     ELASTICEP_CHECK_ARG(in.counts.numel() == e && (masked ? in.masked_m.numel() == e : in.offsets.numel() == e + 1),
                         "ReferenceMoeLayer.forward: the dispatch's counts/offsets do not describe ", e,
                         " local experts");
