@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "elasticep/elasticep.hpp"
+#include "serving_bindings.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -472,6 +473,8 @@ NB_MODULE(_C, m) {
         .def_prop_ro("num_local_experts", &Buffer::num_local_experts)
         .def_prop_ro("config", [](const Buffer& b) { return b.config().describe(); })
         .def_prop_ro("group", &Buffer::group);
+
+    register_serving(m);  // elasticep.serving: checks, adapters, reference MoE layer (serving_bindings.cpp)
 
     m.def("reset_buffers", [] {
         nb::gil_scoped_release nogil;
