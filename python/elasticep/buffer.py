@@ -155,7 +155,7 @@ class Buffer:
 
     def max_contiguous_rows(self, expert_alignment=1):
         """M_cap: rows of the contiguous layout without host sync, ``R*C*min(K, E_local) + E_local*(A-1)``."""
-        return self._live().max_contiguous_rows(int(expert_alignment))
+        return self._live().max_contiguous_rows(expert_alignment)
 
     # ---- the collectives --------------------------------------------------------------------------
 
