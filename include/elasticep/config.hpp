@@ -51,14 +51,14 @@ int scale_columns(ScaleFormat f, int hidden);
 // Value ranges that BufferConfig::validate and the dispatch checks enforce (docs/SEMANTICS.md,
 // "Value ranges"). Each bound keeps every size, offset and row index inside the integer type that
 // holds it, on every backend.
-inline constexpr int kMaxGroupSize = 1 << 16;           // ranks in one group
-inline constexpr int kMaxExperts = 1 << 16;             // num_experts
-inline constexpr int kMaxTopk = 32;                     // num_topk
-inline constexpr int kMaxHidden = 1 << 16;              // hidden
+inline constexpr int kMaxGroupSize = 1 << 16;                // ranks in one group
+inline constexpr int kMaxExperts = 1 << 16;                  // num_experts
+inline constexpr int kMaxTopk = 32;                          // num_topk
+inline constexpr int kMaxHidden = 1 << 16;                   // hidden
 inline constexpr int64_t kMaxRouteSlots = int64_t{1} << 30;  // ranks * max_tokens_per_rank * num_topk (exclusive)
-inline constexpr int64_t kMaxRows = int64_t{1} << 31;   // masked slab rows E_local*R*C, contiguous M_cap (exclusive)
-inline constexpr int kMaxExpertAlignment = 1 << 16;     // DispatchArgs::expert_alignment
-inline constexpr int kMaxSms = 1024;                    // num_sms (the CUDA backend caps it at the device's count)
+inline constexpr int64_t kMaxRows = int64_t{1} << 31;  // masked slab rows E_local*R*C, contiguous M_cap (exclusive)
+inline constexpr int kMaxExpertAlignment = 1 << 16;    // DispatchArgs::expert_alignment
+inline constexpr int kMaxSms = 1024;                   // num_sms (the CUDA backend caps it at the device's count)
 inline constexpr std::chrono::milliseconds kMaxTimeout{int64_t{7} * 24 * 3600 * 1000};  // 7 days
 // Checks a timeout against [1 ms, kMaxTimeout]; `what` names the parameter in the error.
 void validate_timeout(std::chrono::milliseconds timeout, const char* what);
@@ -71,10 +71,10 @@ struct BufferConfig {
     Payload payload = Payload::kBF16;
     ScaleFormat scale_format = ScaleFormat::kF32G128;  // used when payload == kFP8
     Topology topology = Topology::kDirect;
-    int ranks_per_node = 0;  // hybrid only: ranks sharing NVLink; 0 = all ranks in one node
-    int num_sms = 0;         // in [0, 1024]; 0 = chosen from a bandwidth model of the link
+    int ranks_per_node = 0;                    // hybrid only: ranks sharing NVLink; 0 = all ranks in one node
+    int num_sms = 0;                           // in [0, 1024]; 0 = chosen from a bandwidth model of the link
     std::chrono::milliseconds timeout{30000};  // bound on every wait for a peer: [1 ms, 7 days]
-    int device = -1;  // CUDA device of this rank; -1 = the current device
+    int device = -1;                           // CUDA device of this rank; -1 = the current device
 
     // Throws InvalidArgument naming the field and the fix.
     void validate(int num_ranks) const;

@@ -21,8 +21,9 @@ class DispatchResult:
     """What :meth:`Buffer.dispatch` returns.
 
     Tensors are of the framework of ``x`` (numpy in -> numpy out, torch in -> torch out). Buffer-owned
-    ones are zero-copy views of the buffer's memory: they stay valid (and keep the buffer's memory
-    alive) until the next dispatch on the same buffer overwrites them; copy what you need to keep.
+    ones are zero-copy views of the buffer's memory: the memory stays valid as long as a view lives
+    (a view keeps its buffer alive), but the next dispatch on the same buffer rewrites it; copy what
+    you need to keep.
 
     Attributes:
         layout: ``"contiguous"`` or ``"masked"``.
@@ -73,20 +74,27 @@ class Buffer:
     Args:
         group: a :class:`Group` (one of :func:`ThreadGroup`'s, a :class:`TorchGroup`, or a
             ``torch.distributed`` ProcessGroup, wrapped in a TorchGroup for you).
-        num_experts: E, a multiple of the number of ranks.
+        num_experts: E in [1, 65536], a multiple of the number of ranks.
         num_topk: K in [1, 32].
-        hidden: H, a multiple of 8 (bf16) or of the scale group (fp8).
-        max_tokens_per_rank: C, the per-rank token capacity reserved in memory.
+        hidden: H in [1, 65536], a multiple of 8 (bf16) or of the scale group (fp8).
+        max_tokens_per_rank: C >= 1, the per-rank token capacity reserved in memory
+            (ranks * C * K < 2^30 and E * C < 2^31).
         payload: ``"bf16"`` or ``"fp8"`` (OCP E4M3 on the wire).
         scale_format: fp8 scales: ``"f32_g128"``, ``"ue8m0_g128"`` or ``"ue8m0_g32"``.
         topology: ``"direct"`` or ``"hybrid"``.
         ranks_per_node: hybrid only: ranks sharing NVLink (0 = all).
-        num_sms: SMs for the CUDA kernels (0 = chosen from a bandwidth model).
-        timeout: seconds any wait on a peer may take before :class:`elasticep.TimeoutError`.
+        num_sms: SMs for the CUDA kernels in [0, 1024] (0 = chosen from a bandwidth model).
+        timeout: seconds any wait on a peer may take before :class:`elasticep.TimeoutError`: finite,
+            from 1 ms to 7 days.
         backend: ``"auto"`` (CUDA when a GPU is usable, else CPU), ``"cpu"`` or ``"cuda"``.
         device: CUDA device of this rank (None: the current device).
 
-    The CPU backend shares one host arena between ranks, so its ranks must be threads of one process.
+    Integer arguments must be integers (numpy integers too); a float or an out-of-range value is
+    refused with an :class:`InvalidArgumentError` naming it (docs/SEMANTICS.md, "Value ranges").
+
+    A Buffer is one rank's endpoint and takes one call at a time: a second thread calling into it
+    while a call runs gets an :class:`InvalidArgumentError` naming that call. The CPU backend's ranks
+    share one host arena: threads of one process, or processes of one host.
     """
 
     def __init__(self, group, num_experts, num_topk, hidden, max_tokens_per_rank, payload="bf16",
@@ -222,7 +230,8 @@ class Buffer:
     def combine(self, y, handle, *, weighted=True, bias=None, out=None, stream=None):
         """Sends expert outputs back and reduces them per token (SEMANTICS.md "Combine").
 
-        Collective. Consumes ``handle`` (also when it fails).
+        Collective. Consumes ``handle``, also when it fails, wherever it fails (in this layer's argument
+        checks too): afterwards ``handle.valid`` is False and the buffer may dispatch again.
 
         Args:
             y: bf16 expert outputs with the shape of the dispatch's ``recv_x``.

@@ -99,7 +99,8 @@ int64_t to_int64(nb::handle v, const char* name, const char* range) {
 
 int to_int(nb::handle v, const char* name, const char* range) {
     const int64_t x = to_int64(v, name, range);
-    if (x < INT_MIN || x > INT_MAX) raise_arg(std::string(name) + "=" + std::to_string(x) + " is out of range: " + range);
+    if (x < INT_MIN || x > INT_MAX)
+        raise_arg(std::string(name) + "=" + std::to_string(x) + " is out of range: " + range);
     return static_cast<int>(x);
 }
 
@@ -138,15 +139,24 @@ const char* dlpack_dtype_name(nb::dlpack::dtype dt) {
     const auto code = static_cast<C>(dt.code);
     if (dt.lanes != 1) return "vector";
     switch (code) {
-        case C::Int: return dt.bits == 8 ? "int8" : dt.bits == 16 ? "int16" : dt.bits == 32 ? "int32" : "int64";
-        case C::UInt: return dt.bits == 8 ? "uint8" : dt.bits == 16 ? "uint16" : dt.bits == 32 ? "uint32" : "uint64";
-        case C::Float: return dt.bits == 16 ? "float16" : dt.bits == 32 ? "fp32" : "float64";
-        case C::Bfloat: return "bf16";
-        case C::Bool: return "bool";
-        case C::Complex: return "complex";
-        case C::Float8_E4M3FN: return "fp8_e4m3";
-        case C::Float8_E5M2: return "float8_e5m2";
-        default: return "an unsupported type";
+        case C::Int:
+            return dt.bits == 8 ? "int8" : dt.bits == 16 ? "int16" : dt.bits == 32 ? "int32" : "int64";
+        case C::UInt:
+            return dt.bits == 8 ? "uint8" : dt.bits == 16 ? "uint16" : dt.bits == 32 ? "uint32" : "uint64";
+        case C::Float:
+            return dt.bits == 16 ? "float16" : dt.bits == 32 ? "fp32" : "float64";
+        case C::Bfloat:
+            return "bf16";
+        case C::Bool:
+            return "bool";
+        case C::Complex:
+            return "complex";
+        case C::Float8_E4M3FN:
+            return "fp8_e4m3";
+        case C::Float8_E5M2:
+            return "float8_e5m2";
+        default:
+            return "an unsupported type";
     }
 }
 
@@ -205,10 +215,12 @@ void tensor_arg_init(TensorArg* self, nb::handle obj, const std::string& dtype, 
         }
     }
     if (!writable && !nb::try_cast(obj, a))
-        raise_arg(name + " is " + py_type(obj) + ", which is not an array: pass a numpy array, a torch tensor, or "
+        raise_arg(name + " is " + py_type(obj) +
+                  ", which is not an array: pass a numpy array, a torch tensor, or "
                   "another object with __dlpack__ or the buffer protocol");
     if (writable && !a.is_valid())
-        raise_arg(name + " is " + py_type(obj) + ", which is not an array: pass a numpy array, a torch tensor, or "
+        raise_arg(name + " is " + py_type(obj) +
+                  ", which is not an array: pass a numpy array, a torch tensor, or "
                   "another object with __dlpack__ or the buffer protocol");
     std::optional<DType> dt;
     if (dtype.empty()) {
@@ -253,12 +265,18 @@ void tensor_arg_init(TensorArg* self, nb::handle obj, const std::string& dtype, 
 // numpy has no bf16/fp8 and DLPack float8 support varies between frameworks).
 nb::dlpack::dtype raw_dtype(DType d) {
     switch (d) {
-        case DType::kBFloat16: return nb::dtype<uint16_t>();
-        case DType::kFloat8E4M3: return nb::dtype<uint8_t>();
-        case DType::kFloat32: return nb::dtype<float>();
-        case DType::kInt32: return nb::dtype<int32_t>();
-        case DType::kInt64: return nb::dtype<int64_t>();
-        case DType::kUInt8: return nb::dtype<uint8_t>();
+        case DType::kBFloat16:
+            return nb::dtype<uint16_t>();
+        case DType::kFloat8E4M3:
+            return nb::dtype<uint8_t>();
+        case DType::kFloat32:
+            return nb::dtype<float>();
+        case DType::kInt32:
+            return nb::dtype<int32_t>();
+        case DType::kInt64:
+            return nb::dtype<int64_t>();
+        case DType::kUInt8:
+            return nb::dtype<uint8_t>();
     }
     return nb::dtype<uint8_t>();
 }
@@ -282,7 +300,7 @@ nb::object export_ref(const TensorRef& t, nb::handle owner) {
 // to the C++ field.
 template <class Self>
 class Fields {
-   public:
+ public:
     using Setter = std::function<void(Self&, nb::handle)>;
     static std::map<std::string, Setter>& setters() {
         static auto* m = new std::map<std::string, Setter>();  // leaked on purpose, like error_factory
@@ -359,15 +377,15 @@ class Fields {
         cls_.attr("options") = nb::tuple(options_);
     }
 
-   private:
+ private:
     template <class Get>
     Fields& add(const char* name, Get get, Setter set) {
         return add(name, true, std::move(get), std::move(set));
     }
     template <class Get>
     Fields& add(const char* name, bool option, Get get, Setter set) {
-        cls_.def_prop_rw(name, get, [set](Self& s, nb::handle v) { set(s, v); },
-                         nb::for_setter(nb::arg("value").none()));
+        cls_.def_prop_rw(
+            name, get, [set](Self& s, nb::handle v) { set(s, v); }, nb::for_setter(nb::arg("value").none()));
         setters()[name] = set;
         names_.append(nb::str(name));
         if (option) options_.append(nb::str(name));
@@ -414,8 +432,8 @@ struct PyDispatchResult {
 };
 
 // The tensor attributes of DispatchResult, in the order of the C++ struct.
-const char* const kResultTensors[] = {"recv_x",   "recv_scales", "recv_weights", "recv_src", "m_indices",
-                                      "counts",   "offsets",     "masked_m"};
+const char* const kResultTensors[] = {"recv_x",    "recv_scales", "recv_weights", "recv_src",
+                                      "m_indices", "counts",      "offsets",      "masked_m"};
 
 // ---- groups -----------------------------------------------------------------------------------
 
@@ -423,7 +441,7 @@ const char* const kResultTensors[] = {"recv_x",   "recv_scales", "recv_weights",
 // so every override takes the GIL first, and what a Python method returns is checked with an error
 // that says what it must return.
 class PyGroup : public Group {
-   public:
+ public:
     NB_TRAMPOLINE(Group);
 
     int rank() const override {
@@ -485,7 +503,7 @@ class PyGroup : public Group {
                                                   " items; expected " + std::to_string(n));
     }
 
-   private:
+ private:
     template <class... A>
     nb::object call(const char* name, A&&... args) const {
         nb::detail::ticket ticket(nb_trampoline, name, nb::detail::str_hash(name), true);
@@ -575,7 +593,8 @@ PyDispatchResult dispatch(Buffer& b, PyDispatchArgs& a) {
 
 nb::object combine(Buffer& b, PyHandle& h, PyCombineArgs& a) {
     if (h.consumed)
-        raise_arg("combine: the handle was already consumed by an earlier combine; each dispatch's handle is single-use");
+        raise_arg(
+            "combine: the handle was already consumed by an earlier combine; each dispatch's handle is single-use");
     h.consumed = true;  // consumed whatever happens below (SEMANTICS.md: a failed combine releases its handle)
     Handle moved = std::move(h.handle);
     CombineResult r;
@@ -603,9 +622,8 @@ NB_MODULE(_C, m) {
     m.def("version", [] { return std::string(version_string()); });
     m.def("build_backends", [] { return std::string(build_backends()); });
     m.def("backend_available", [](const std::string& b) { return Buffer::backend_available(parse_backend(b)); });
-    m.def("resolve_backend", [](const std::string& b) {
-        return std::string(backend_name(Buffer::resolve_backend(parse_backend(b))));
-    });
+    m.def("resolve_backend",
+          [](const std::string& b) { return std::string(backend_name(Buffer::resolve_backend(parse_backend(b)))); });
     m.def("scale_columns", [](nb::handle f, nb::handle hidden) {
         return scale_columns(parse_scale_format(to_str(f)), to_int(hidden, "hidden", "[1, 65536]"));
     });
@@ -645,44 +663,66 @@ NB_MODULE(_C, m) {
         .def("describe", &BufferConfig::describe)
         .def("__repr__", [](const BufferConfig& c) { return "BufferConfig(" + c.describe() + ")"; });
     Fields<BufferConfig>(config_cls)
-        .integer("num_experts", [](BufferConfig& c) -> int& { return c.num_experts; },
-                 "[1, 65536], a multiple of the number of ranks")
-        .integer("num_topk", [](BufferConfig& c) -> int& { return c.num_topk; }, "[1, 32]")
-        .integer("hidden", [](BufferConfig& c) -> int& { return c.hidden; }, "[1, 65536]")
-        .integer("max_tokens_per_rank", [](BufferConfig& c) -> int& { return c.max_tokens_per_rank; },
-                 "at least 1, with ranks * max_tokens_per_rank * num_topk < 2^30; lower it")
-        .choice("payload", [](BufferConfig& c) -> Payload& { return c.payload; }, parse_payload, payload_name)
-        .choice("scale_format", [](BufferConfig& c) -> ScaleFormat& { return c.scale_format; }, parse_scale_format,
-                scale_format_name)
-        .choice("topology", [](BufferConfig& c) -> Topology& { return c.topology; }, parse_topology, topology_name)
-        .integer("ranks_per_node", [](BufferConfig& c) -> int& { return c.ranks_per_node; },
-                 "[0, number of ranks] (hybrid only)")
-        .integer("num_sms", [](BufferConfig& c) -> int& { return c.num_sms; }, "[0, 1024]")
+        .integer(
+            "num_experts", [](BufferConfig& c) -> int& { return c.num_experts; },
+            "[1, 65536], a multiple of the number of ranks")
+        .integer(
+            "num_topk", [](BufferConfig& c) -> int& { return c.num_topk; }, "[1, 32]")
+        .integer(
+            "hidden", [](BufferConfig& c) -> int& { return c.hidden; }, "[1, 65536]")
+        .integer(
+            "max_tokens_per_rank", [](BufferConfig& c) -> int& { return c.max_tokens_per_rank; },
+            "at least 1, with ranks * max_tokens_per_rank * num_topk < 2^30; lower it")
+        .choice(
+            "payload", [](BufferConfig& c) -> Payload& { return c.payload; }, parse_payload, payload_name)
+        .choice(
+            "scale_format", [](BufferConfig& c) -> ScaleFormat& { return c.scale_format; }, parse_scale_format,
+            scale_format_name)
+        .choice(
+            "topology", [](BufferConfig& c) -> Topology& { return c.topology; }, parse_topology, topology_name)
+        .integer(
+            "ranks_per_node", [](BufferConfig& c) -> int& { return c.ranks_per_node; },
+            "[0, number of ranks] (hybrid only)")
+        .integer(
+            "num_sms", [](BufferConfig& c) -> int& { return c.num_sms; }, "[0, 1024]")
         .seconds("timeout", [](BufferConfig& c) -> std::chrono::milliseconds& { return c.timeout; })
-        .integer("device", [](BufferConfig& c) -> int& { return c.device; }, "-1 (the current device) or a device index")
+        .integer(
+            "device", [](BufferConfig& c) -> int& { return c.device; }, "-1 (the current device) or a device index")
         .done();
 
     auto outputs_cls = nb::class_<PyDispatchOutputs>(m, "DispatchOutputs");
     outputs_cls.def(nb::init<>());
     Fields<PyDispatchOutputs>(outputs_cls)
-        .tensor("recv_x", [](PyDispatchOutputs& o) -> auto& { return o.refs.recv_x; }, true)
-        .tensor("recv_scales", [](PyDispatchOutputs& o) -> auto& { return o.refs.recv_scales; }, true)
-        .tensor("recv_weights", [](PyDispatchOutputs& o) -> auto& { return o.refs.recv_weights; }, true)
-        .tensor("recv_src", [](PyDispatchOutputs& o) -> auto& { return o.refs.recv_src; }, true)
-        .tensor("m_indices", [](PyDispatchOutputs& o) -> auto& { return o.refs.m_indices; }, true)
+        .tensor(
+            "recv_x", [](PyDispatchOutputs & o) -> auto& { return o.refs.recv_x; }, true)
+        .tensor(
+            "recv_scales", [](PyDispatchOutputs & o) -> auto& { return o.refs.recv_scales; }, true)
+        .tensor(
+            "recv_weights", [](PyDispatchOutputs & o) -> auto& { return o.refs.recv_weights; }, true)
+        .tensor(
+            "recv_src", [](PyDispatchOutputs & o) -> auto& { return o.refs.recv_src; }, true)
+        .tensor(
+            "m_indices", [](PyDispatchOutputs & o) -> auto& { return o.refs.m_indices; }, true)
         .done();
 
     auto dargs_cls = nb::class_<PyDispatchArgs>(m, "DispatchArgs");
     dargs_cls.def(nb::init<>())
-        .def_prop_ro("outputs", [](PyDispatchArgs& a) -> PyDispatchOutputs& { return a.outputs; },
-                     nb::rv_policy::reference_internal);
+        .def_prop_ro(
+            "outputs", [](PyDispatchArgs& a) -> PyDispatchOutputs& { return a.outputs; },
+            nb::rv_policy::reference_internal);
     Fields<PyDispatchArgs>(dargs_cls)
-        .tensor("x", [](PyDispatchArgs& a) -> auto& { return a.args.x; })
-        .tensor("x_scales", [](PyDispatchArgs& a) -> auto& { return a.args.x_scales; })
-        .tensor("topk_idx", [](PyDispatchArgs& a) -> auto& { return a.args.topk_idx; })
-        .tensor("topk_weights", [](PyDispatchArgs& a) -> auto& { return a.args.topk_weights; })
-        .choice("layout", [](PyDispatchArgs& a) -> Layout& { return a.args.layout; }, parse_layout, layout_name)
-        .integer("expert_alignment", [](PyDispatchArgs& a) -> int& { return a.args.expert_alignment; }, "[1, 65536]")
+        .tensor(
+            "x", [](PyDispatchArgs & a) -> auto& { return a.args.x; })
+        .tensor(
+            "x_scales", [](PyDispatchArgs & a) -> auto& { return a.args.x_scales; })
+        .tensor(
+            "topk_idx", [](PyDispatchArgs & a) -> auto& { return a.args.topk_idx; })
+        .tensor(
+            "topk_weights", [](PyDispatchArgs & a) -> auto& { return a.args.topk_weights; })
+        .choice(
+            "layout", [](PyDispatchArgs& a) -> Layout& { return a.args.layout; }, parse_layout, layout_name)
+        .integer(
+            "expert_alignment", [](PyDispatchArgs& a) -> int& { return a.args.expert_alignment; }, "[1, 65536]")
         .flag("host_sync", [](PyDispatchArgs& a) -> bool& { return a.args.host_sync; })
         .flag("zero_padding", [](PyDispatchArgs& a) -> bool& { return a.args.zero_padding; })
         .flag("scales_mn_major", [](PyDispatchArgs& a) -> bool& { return a.args.scales_mn_major; })
@@ -692,10 +732,13 @@ NB_MODULE(_C, m) {
     auto cargs_cls = nb::class_<PyCombineArgs>(m, "CombineArgs");
     cargs_cls.def(nb::init<>());
     Fields<PyCombineArgs>(cargs_cls)
-        .tensor("y", [](PyCombineArgs& a) -> auto& { return a.args.y; })
+        .tensor(
+            "y", [](PyCombineArgs & a) -> auto& { return a.args.y; })
         .flag("weighted", [](PyCombineArgs& a) -> bool& { return a.args.weighted; })
-        .tensor("bias", [](PyCombineArgs& a) -> auto& { return a.args.bias; })
-        .tensor("out", [](PyCombineArgs& a) -> auto& { return a.args.out; }, true)
+        .tensor(
+            "bias", [](PyCombineArgs & a) -> auto& { return a.args.bias; })
+        .tensor(
+            "out", [](PyCombineArgs & a) -> auto& { return a.args.out; }, true)
         .stream("stream", [](PyCombineArgs& a) -> void*& { return a.args.stream; })
         .done();
 
@@ -776,7 +819,8 @@ NB_MODULE(_C, m) {
         .def_static(
             "reservation_bytes",
             [](const BufferConfig& c, nb::handle num_ranks, const std::string& backend) {
-                return Buffer::reservation_bytes(c, to_int(num_ranks, "num_ranks", "[1, 65536]"), parse_backend(backend));
+                return Buffer::reservation_bytes(c, to_int(num_ranks, "num_ranks", "[1, 65536]"),
+                                                 parse_backend(backend));
             },
             "config"_a, "num_ranks"_a, "backend"_a)
         .def("dispatch", &dispatch, "args"_a)

@@ -1,5 +1,9 @@
 // The backend-independent front end: argument validation, the handle state machine, the
 // broken-buffer rule, and the buffer registry.
+#include "elasticep/buffer.hpp"
+
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstring>
@@ -10,14 +14,12 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
-#include <unistd.h>
 
 #include "core/backend.hpp"
 #include "core/check.hpp"
 #include "core/layout.hpp"
 #include "core/outputs.hpp"
 #include "core/testing.hpp"
-#include "elasticep/buffer.hpp"
 #include "elasticep/version.hpp"
 
 namespace elasticep {
@@ -44,8 +46,8 @@ namespace {
 std::atomic<uint64_t> g_next_buffer_id{1};
 
 void check_device(const TensorRef& t, Device device, const char* name) {
-    ELASTICEP_CHECK_ARG(t.device == device, name, " is on ", device_name(t.device), " but this buffer's backend works on ",
-                        device_name(device), "; move the tensor there");
+    ELASTICEP_CHECK_ARG(t.device == device, name, " is on ", device_name(t.device),
+                        " but this buffer's backend works on ", device_name(device), "; move the tensor there");
     ELASTICEP_CHECK_ARG(t.data != nullptr || t.numel() == 0, name, " has a null data pointer");
 }
 
@@ -101,15 +103,23 @@ std::string get_message(const char (&src)[kWireMessage]) { return std::string(sr
 
 // The fields every rank must agree on (BufferConfig::group_key's fields, and the backend).
 struct ConfigWire {
-    int32_t num_experts, num_topk, hidden, max_tokens_per_rank, payload, scale_format, topology, ranks_per_node, num_sms,
-        backend;
+    int32_t num_experts, num_topk, hidden, max_tokens_per_rank, payload, scale_format, topology, ranks_per_node,
+        num_sms, backend;
     int64_t timeout_ms;
 };
 
 ConfigWire to_wire(const BufferConfig& c, BackendKind kind) {
-    return ConfigWire{c.num_experts,          c.num_topk,          c.hidden,     c.max_tokens_per_rank,
-                      int32_t(c.payload),     int32_t(c.scale_format), int32_t(c.topology), c.ranks_per_node,
-                      c.num_sms,              int32_t(kind),       static_cast<int64_t>(c.timeout.count())};
+    return ConfigWire{c.num_experts,
+                      c.num_topk,
+                      c.hidden,
+                      c.max_tokens_per_rank,
+                      int32_t(c.payload),
+                      int32_t(c.scale_format),
+                      int32_t(c.topology),
+                      c.ranks_per_node,
+                      c.num_sms,
+                      int32_t(kind),
+                      static_cast<int64_t>(c.timeout.count())};
 }
 
 // "hidden: 256 on rank 1, 128 on rank 0" for every field that differs.
@@ -199,9 +209,8 @@ std::vector<Verdict> agree_on_arguments(Group& group, int size, Verdict me, cons
     for (int r = 0; r < size; ++r) {
         const Verdict& v = all[static_cast<size_t>(r)];
         if (!v.ok)
-            raise(static_cast<ErrorCode>(v.code),
-                  cat("Buffer::create: rank ", r, " rejected its config: ", get_message(v.message),
-                      " (no rank built a buffer)"));
+            raise(static_cast<ErrorCode>(v.code), cat("Buffer::create: rank ", r, " rejected its config: ",
+                                                      get_message(v.message), " (no rank built a buffer)"));
     }
     return all;
 }
@@ -217,7 +226,7 @@ std::string thread_name(std::thread::id id) {
 }  // namespace
 
 class BufferImpl {
-   public:
+ public:
     BufferImpl(std::shared_ptr<Group> group, const BufferConfig& config, BackendKind backend, int rank, int num_ranks)
         : group_(std::move(group)), config_(config), backend_kind_(backend), rank_(rank), num_ranks_(num_ranks) {}
 
@@ -226,15 +235,16 @@ class BufferImpl {
     // A Buffer serves one call at a time; a second thread entering while a call runs is told which
     // call holds it, instead of both silently mixing their rounds.
     class CallScope {
-       public:
+     public:
         CallScope(BufferImpl& b, const char* call) : b_(b) {
             std::lock_guard<std::mutex> lock(b_.call_mu_);
             if (b_.call_ != nullptr) {
                 const bool same = b_.call_thread_ == std::this_thread::get_id();
                 raise(ErrorCode::kInvalidArgument,
                       cat("Buffer::", call, " called from thread ", thread_name(std::this_thread::get_id()), " while ",
-                          same ? "this same thread" : "thread " + thread_name(b_.call_thread_), " is inside Buffer::",
-                          b_.call_, " on this buffer (rank ", b_.rank_, "); a Buffer is one rank's endpoint and "
+                          same ? "this same thread" : "thread " + thread_name(b_.call_thread_),
+                          " is inside Buffer::", b_.call_, " on this buffer (rank ", b_.rank_,
+                          "); a Buffer is one rank's endpoint and "
                           "takes one call at a time: serialize the calls, or give each thread its own buffer"));
             }
             b_.call_ = call;
@@ -247,7 +257,7 @@ class BufferImpl {
         CallScope(const CallScope&) = delete;
         CallScope& operator=(const CallScope&) = delete;
 
-       private:
+     private:
         BufferImpl& b_;
     };
 
@@ -276,16 +286,21 @@ class BufferImpl {
         const std::vector<Verdict> all = agree_on_arguments(*group, size, me, own);
         for (int r = 0; r < size; ++r) {
             const Verdict& v = all[static_cast<size_t>(r)];
-            ELASTICEP_CHECK_ARG(v.rank == r && v.size == size, "Buffer::create: the group's all_gather put the "
-                                "contribution of a rank whose rank() is ", v.rank, " and size() is ", v.size,
-                                " at position ", r, " of ", size, "; a Group must number its ranks 0..size()-1, each "
+            ELASTICEP_CHECK_ARG(v.rank == r && v.size == size,
+                                "Buffer::create: the group's all_gather put the "
+                                "contribution of a rank whose rank() is ",
+                                v.rank, " and size() is ", v.size, " at position ", r, " of ", size,
+                                "; a Group must number its ranks 0..size()-1, each "
                                 "once, and return all_gather results rank-major");
-            ELASTICEP_CHECK_ARG(v.identity_hash == all[0].identity_hash, "Buffer::create: rank ", r, "'s group reports "
+            ELASTICEP_CHECK_ARG(v.identity_hash == all[0].identity_hash, "Buffer::create: rank ", r,
+                                "'s group reports "
                                 "a different identity() than rank 0's; identity() must be the same on every rank of "
                                 "a group");
             const std::string diff = config_difference(all[0].config, 0, v.config, r);
-            ELASTICEP_CHECK_ARG(diff.empty(), "Buffer::create: rank ", r, " passed a different config or backend than "
-                                "rank 0 (", diff, "); every rank must build the same buffer");
+            ELASTICEP_CHECK_ARG(diff.empty(), "Buffer::create: rank ", r,
+                                " passed a different config or backend than "
+                                "rank 0 (",
+                                diff, "); every rank must build the same buffer");
         }
         auto impl = std::make_unique<BufferImpl>(group, config, kind, me.rank, size);
         impl->buffer_id_ = g_next_buffer_id.fetch_add(1);
@@ -308,8 +323,9 @@ class BufferImpl {
             put_message(mine.message, message);
         }
         const auto outcomes = group->all_gather_value(mine);
-        if (failure) throw Error(static_cast<ErrorCode>(mine.code), "Buffer::create failed on this rank: " +
-                                                                         get_message(mine.message));
+        if (failure)
+            throw Error(static_cast<ErrorCode>(mine.code),
+                        "Buffer::create failed on this rank: " + get_message(mine.message));
         std::string failed_ranks;
         int first = -1;
         for (int r = 0; r < size; ++r)
@@ -364,9 +380,10 @@ class BufferImpl {
             throw;
         } catch (const std::bad_alloc&) {
             // Backends allocate before they communicate, so this rank failed alone and the buffer is intact.
-            raise(ErrorCode::kCapacityExceeded, cat("out of host memory for this call's buffer-owned outputs (",
-                                                    config_.describe(), "); pass caller-provided outputs, or lower "
-                                                    "max_tokens_per_rank"));
+            raise(ErrorCode::kCapacityExceeded,
+                  cat("out of host memory for this call's buffer-owned outputs (", config_.describe(),
+                      "); pass caller-provided outputs, or lower "
+                      "max_tokens_per_rank"));
         }
     }
 
@@ -375,7 +392,8 @@ class BufferImpl {
         const Device dev = backend_->device();
         DispatchRequest req;
         req.args = &a;
-        ELASTICEP_CHECK_ARG(a.x.ndim() == 2, "dispatch: x is ", a.x.describe(), " but must be 2-D [num_tokens, hidden]");
+        ELASTICEP_CHECK_ARG(a.x.ndim() == 2, "dispatch: x is ", a.x.describe(),
+                            " but must be 2-D [num_tokens, hidden]");
         const int64_t t = a.x.size(0);
         req.num_tokens = t;
         ELASTICEP_CHECK_ARG(t >= 0, "dispatch: x is ", a.x.describe(), ": a dimension cannot be negative");
@@ -400,7 +418,8 @@ class BufferImpl {
             ELASTICEP_CHECK_ARG(a.x.dtype == DType::kBFloat16, "dispatch: x is ", a.x.describe(),
                                 " but must be bf16 (or fp8 with x_scales when the payload is fp8)");
             check_matrix(a.x, "dispatch: x", t, c.hidden, dev);
-            ELASTICEP_CHECK_ARG(!a.x_scales.has_value(), "dispatch: x_scales given but x is bf16; scales go with "
+            ELASTICEP_CHECK_ARG(!a.x_scales.has_value(),
+                                "dispatch: x_scales given but x is bf16; scales go with "
                                 "pre-quantized fp8 x only");
             req.quantize = c.payload == Payload::kFP8;
         }
@@ -420,7 +439,8 @@ class BufferImpl {
             ELASTICEP_CHECK_ARG(a.expert_alignment >= 1 && a.expert_alignment <= kMaxExpertAlignment,
                                 "dispatch: expert_alignment=", a.expert_alignment, " must be in [1, ",
                                 kMaxExpertAlignment, "]");
-            req.rows_cap = contiguous_rows_cap(num_ranks_, c.max_tokens_per_rank, c.num_topk, e_local, a.expert_alignment);
+            req.rows_cap =
+                contiguous_rows_cap(num_ranks_, c.max_tokens_per_rank, c.num_topk, e_local, a.expert_alignment);
             ELASTICEP_CHECK_ARG(req.rows_cap < kMaxRows, "dispatch: worst-case rows ", req.rows_cap,
                                 " overflow int32 offsets; lower max_tokens_per_rank or expert_alignment");
         } else {
@@ -477,16 +497,19 @@ class BufferImpl {
         // Consumed whatever happens below, also when it belongs to another buffer or another thread
         // is inside this one: the buffer that made it must not be blocked forever by a handle its
         // caller can no longer hold.
-        ELASTICEP_CHECK_ARG(!st->consumed.exchange(true), "combine: the handle was already consumed by an earlier "
+        ELASTICEP_CHECK_ARG(!st->consumed.exchange(true),
+                            "combine: the handle was already consumed by an earlier "
                             "combine; each dispatch's handle is single-use");
-        ELASTICEP_CHECK_ARG(st->buffer_id == buffer_id_, "combine: the handle belongs to another buffer (it was "
+        ELASTICEP_CHECK_ARG(st->buffer_id == buffer_id_,
+                            "combine: the handle belongs to another buffer (it was "
                             "released; that buffer can dispatch again)");
         CallScope scope(*this, "combine");
         ELASTICEP_INTERNAL(outstanding_ == st, "combine: handle is not this buffer's outstanding one");
         ensure_usable();
         const Device dev = backend_->device();
         ELASTICEP_CHECK_ARG(args.y.dtype == DType::kBFloat16, "combine: y is ", args.y.describe(), " but must be bf16");
-        ELASTICEP_CHECK_ARG(args.y.shape == st->y_shape, "combine: y is ", args.y.describe(), " but must have the shape of dispatch's recv_x ",
+        ELASTICEP_CHECK_ARG(args.y.shape == st->y_shape, "combine: y is ", args.y.describe(),
+                            " but must have the shape of dispatch's recv_x ",
                             TensorRef::contiguous(nullptr, DType::kBFloat16, st->y_shape, dev).describe());
         check_device(args.y, dev, "combine: y");
         // (an empty y, a rank that received no rows, may carry any strides)
@@ -574,14 +597,17 @@ std::shared_ptr<Buffer> Buffer::create(std::shared_ptr<Group> group, const Buffe
 bool Buffer::backend_available(BackendKind backend) {
     switch (backend) {
         case BackendKind::kAuto:
-        case BackendKind::kCPU: return true;
-        case BackendKind::kCUDA: return detail::cuda_backend_compiled() && detail::cuda_backend_available();
+        case BackendKind::kCPU:
+            return true;
+        case BackendKind::kCUDA:
+            return detail::cuda_backend_compiled() && detail::cuda_backend_available();
     }
     return false;
 }
 
 BackendKind Buffer::resolve_backend(BackendKind backend) {
-    if (backend == BackendKind::kAuto) return backend_available(BackendKind::kCUDA) ? BackendKind::kCUDA : BackendKind::kCPU;
+    if (backend == BackendKind::kAuto)
+        return backend_available(BackendKind::kCUDA) ? BackendKind::kCUDA : BackendKind::kCPU;
     if (backend == BackendKind::kCUDA) {
         ELASTICEP_CHECK(detail::cuda_backend_compiled(), ErrorCode::kUnsupported,
                         "the CUDA backend is not compiled into this build (backends: ", build_backends(),
@@ -596,7 +622,8 @@ size_t Buffer::reservation_bytes(const BufferConfig& config, int num_ranks, Back
     config.validate(num_ranks);
     const BackendKind kind = backend == BackendKind::kAuto ? resolve_backend(backend) : backend;
     if (kind == BackendKind::kCUDA) {
-        ELASTICEP_CHECK(detail::cuda_backend_compiled(), ErrorCode::kUnsupported, "the CUDA backend is not compiled in");
+        ELASTICEP_CHECK(detail::cuda_backend_compiled(), ErrorCode::kUnsupported,
+                        "the CUDA backend is not compiled in");
         return detail::cuda_reservation_bytes(config, num_ranks);
     }
     return detail::cpu_reservation_bytes(config, num_ranks);
@@ -620,8 +647,8 @@ int Buffer::num_local_experts() const { return impl_->config_.num_local_experts(
 std::shared_ptr<Group> Buffer::group() const { return impl_->group_; }
 
 int64_t Buffer::max_contiguous_rows(int expert_alignment) const {
-    ELASTICEP_CHECK_ARG(expert_alignment >= 1 && expert_alignment <= kMaxExpertAlignment, "expert_alignment=",
-                        expert_alignment, " must be in [1, ", kMaxExpertAlignment, "]");
+    ELASTICEP_CHECK_ARG(expert_alignment >= 1 && expert_alignment <= kMaxExpertAlignment,
+                        "expert_alignment=", expert_alignment, " must be in [1, ", kMaxExpertAlignment, "]");
     return contiguous_rows_cap(num_ranks(), config().max_tokens_per_rank, config().num_topk, num_local_experts(),
                                expert_alignment);
 }
@@ -648,7 +675,8 @@ std::shared_ptr<Buffer> get_buffer(std::shared_ptr<Group> group, const BufferCon
         // identity() names a group: two live Group objects with one identity would share a buffer
         // that talks over only one of them.
         ELASTICEP_CHECK_ARG(it == g_registry.end() || it->second.buffer->group() == group, "get_buffer: rank ",
-                            group->rank(), " of group identity '", group->identity(), "' has a cached buffer that "
+                            group->rank(), " of group identity '", group->identity(),
+                            "' has a cached buffer that "
                             "was built over another Group object with the same identity(); two live groups must not "
                             "share an identity: pass the Group object the buffer was built with, make identity() "
                             "unique per group, or call reset_buffers() first");

@@ -11,9 +11,12 @@ const char* payload_name(Payload p) { return p == Payload::kBF16 ? "bf16" : "fp8
 
 const char* scale_format_name(ScaleFormat f) {
     switch (f) {
-        case ScaleFormat::kF32G128: return "f32_g128";
-        case ScaleFormat::kUE8M0G128: return "ue8m0_g128";
-        case ScaleFormat::kUE8M0G32: return "ue8m0_g32";
+        case ScaleFormat::kF32G128:
+            return "f32_g128";
+        case ScaleFormat::kUE8M0G128:
+            return "ue8m0_g128";
+        case ScaleFormat::kUE8M0G32:
+            return "ue8m0_g32";
     }
     return "?";
 }
@@ -23,9 +26,12 @@ const char* layout_name(Layout l) { return l == Layout::kExpertContiguous ? "con
 
 const char* backend_name(BackendKind b) {
     switch (b) {
-        case BackendKind::kAuto: return "auto";
-        case BackendKind::kCPU: return "cpu";
-        case BackendKind::kCUDA: return "cuda";
+        case BackendKind::kAuto:
+            return "auto";
+        case BackendKind::kCPU:
+            return "cpu";
+        case BackendKind::kCUDA:
+            return "cuda";
     }
     return "?";
 }
@@ -84,7 +90,8 @@ int scale_columns(ScaleFormat f, int hidden) {
 void validate_timeout(std::chrono::milliseconds timeout, const char* what) {
     ELASTICEP_CHECK_ARG(timeout.count() > 0, what, "=", timeout.count(), " ms must be positive (at least 1 ms)");
     ELASTICEP_CHECK_ARG(timeout <= kMaxTimeout, what, "=", timeout.count(), " ms is above the limit of ",
-                        kMaxTimeout.count(), " ms (7 days); every wait on a peer is bounded: pass a finite timeout of "
+                        kMaxTimeout.count(),
+                        " ms (7 days); every wait on a peer is bounded: pass a finite timeout of "
                         "at most 7 days");
 }
 
@@ -97,14 +104,15 @@ void BufferConfig::validate(int num_ranks) const {
                         " is not a Payload (bf16 or fp8)");
     ELASTICEP_CHECK_ARG(valid_scale_format(scale_format), "scale_format=", static_cast<int>(scale_format),
                         " is not a ScaleFormat (f32_g128, ue8m0_g128 or ue8m0_g32)");
-    ELASTICEP_CHECK_ARG(topology == Topology::kDirect || topology == Topology::kHybrid, "topology=",
-                        static_cast<int>(topology), " is not a Topology (direct or hybrid)");
+    ELASTICEP_CHECK_ARG(topology == Topology::kDirect || topology == Topology::kHybrid,
+                        "topology=", static_cast<int>(topology), " is not a Topology (direct or hybrid)");
     ELASTICEP_CHECK_ARG(num_experts >= 1, "num_experts=", num_experts, " must be positive");
     ELASTICEP_CHECK_ARG(num_experts <= kMaxExperts, "num_experts=", num_experts, " is above the limit of ", kMaxExperts,
                         "; use fewer experts");
     ELASTICEP_CHECK_ARG(num_experts % num_ranks == 0, "num_experts=", num_experts,
                         " must be a multiple of the number of ranks (", num_ranks, ")");
-    ELASTICEP_CHECK_ARG(num_topk >= 1 && num_topk <= kMaxTopk, "num_topk=", num_topk, " must be in [1, ", kMaxTopk, "]");
+    ELASTICEP_CHECK_ARG(num_topk >= 1 && num_topk <= kMaxTopk, "num_topk=", num_topk, " must be in [1, ", kMaxTopk,
+                        "]");
     ELASTICEP_CHECK_ARG(num_topk <= num_experts, "num_topk=", num_topk, " exceeds num_experts=", num_experts,
                         " (a top-k row may not repeat an expert)");
     ELASTICEP_CHECK_ARG(hidden >= 1, "hidden=", hidden, " must be positive");
@@ -145,9 +153,9 @@ void BufferConfig::validate(int num_ranks) const {
 std::string BufferConfig::key() const { return detail::cat(group_key(), ".dev", device); }
 
 std::string BufferConfig::group_key() const {
-    return detail::cat("E", num_experts, ".K", num_topk, ".H", hidden, ".C", max_tokens_per_rank, ".", payload_name(payload),
-                       ".", scale_format_name(scale_format), ".", topology_name(topology), ".rpn", ranks_per_node,
-                       ".sms", num_sms, ".t", timeout.count());
+    return detail::cat("E", num_experts, ".K", num_topk, ".H", hidden, ".C", max_tokens_per_rank, ".",
+                       payload_name(payload), ".", scale_format_name(scale_format), ".", topology_name(topology),
+                       ".rpn", ranks_per_node, ".sms", num_sms, ".t", timeout.count());
 }
 
 std::string BufferConfig::describe() const {

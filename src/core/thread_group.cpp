@@ -60,19 +60,20 @@ struct Rendezvous {
         const uint64_t my_gen = generation;
         if (arrived == 0) bytes = n;
         if (present[static_cast<size_t>(rank)])
-            fail(ErrorCode::kInvalidArgument,
-                 detail::cat("ThreadGroup collective: rank ", rank, " entered a collective it is already waiting in; "
-                             "each rank's Group belongs to one thread at a time"));
+            fail(ErrorCode::kInvalidArgument, detail::cat("ThreadGroup collective: rank ", rank,
+                                                          " entered a collective it is already waiting in; "
+                                                          "each rank's Group belongs to one thread at a time"));
         if (n != bytes)
             fail(ErrorCode::kInvalidArgument,
-                 detail::cat("ThreadGroup collective size mismatch: rank ", rank, " sent ", n, " bytes, others ",
-                             bytes, " (ranks called different collectives)"));
+                 detail::cat("ThreadGroup collective size mismatch: rank ", rank, " sent ", n, " bytes, others ", bytes,
+                             " (ranks called different collectives)"));
         slots[static_cast<size_t>(rank)].assign(static_cast<const char*>(send), static_cast<const char*>(send) + n);
         present[static_cast<size_t>(rank)] = true;
         if (++arrived == size) {
             result.resize(n * static_cast<size_t>(size));
             for (int r = 0; r < size; ++r)
-                if (n != 0) std::memcpy(result.data() + n * static_cast<size_t>(r), slots[static_cast<size_t>(r)].data(), n);
+                if (n != 0)
+                    std::memcpy(result.data() + n * static_cast<size_t>(r), slots[static_cast<size_t>(r)].data(), n);
             arrived = 0;
             present.assign(static_cast<size_t>(size), false);
             ++generation;
@@ -91,7 +92,7 @@ struct Rendezvous {
 };
 
 class ThreadRankGroup final : public Group {
-   public:
+ public:
     ThreadRankGroup(std::shared_ptr<Rendezvous> rv, int rank) : rv_(std::move(rv)), rank_(rank) {}
     int rank() const override { return rank_; }
     int size() const override { return rv_->size; }
@@ -103,7 +104,7 @@ class ThreadRankGroup final : public Group {
     }
     std::string identity() const override { return "thread-group-" + std::to_string(rv_->id); }
 
-   private:
+ private:
     std::shared_ptr<Rendezvous> rv_;
     int rank_;
 };

@@ -3,10 +3,9 @@
 // core/testing.hpp. Rank 0 must raise a named error naming rank 1 (host sync) or record a sticky
 // fault (graph mode), and never write outside its caller-provided outputs (guard bytes checked).
 // The forged counts are the ones that used to corrupt the heap (50) or crash (10^6).
-#include <elasticep/elasticep.hpp>
-
 #include <cstdio>
 #include <cstring>
+#include <elasticep/elasticep.hpp>
 #include <functional>
 #include <string>
 #include <vector>
@@ -53,7 +52,8 @@ int check_case(const std::shared_ptr<Group>& g, const Case& c, bool host_sync) {
         error = e.what();
     }
     bool guards = true;
-    for (int i = 0; i < kGuard; ++i) guards &= mem[static_cast<size_t>(i)] == kFill && mem[mem.size() - 1 - static_cast<size_t>(i)] == kFill;
+    for (int i = 0; i < kGuard; ++i)
+        guards &= mem[static_cast<size_t>(i)] == kFill && mem[mem.size() - 1 - static_cast<size_t>(i)] == kFill;
     int rc = 0;
     if (!guards) {
         std::fprintf(stderr, "rank %d, %s: wrote outside its output\n", rank, c.what);
@@ -85,8 +85,8 @@ int main() {
         {"zero-filled slot",
          [](tst::OutgoingDispatch& o) { std::memset(o.slots, 0, static_cast<size_t>(o.layout.bytes)); },
          "expert id 0 repeated"},
-        {"source token past C",
-         [](tst::OutgoingDispatch& o) { std::memcpy(o.slots + o.layout.src_offset, &kC, 4); }, "source token 8"},
+        {"source token past C", [](tst::OutgoingDispatch& o) { std::memcpy(o.slots + o.layout.src_offset, &kC, 4); },
+         "source token 8"},
     };
     int rc = 0;
     for (bool host_sync : {true, false})

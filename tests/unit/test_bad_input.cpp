@@ -20,7 +20,7 @@ using namespace std::chrono_literals;
 
 // A Group that forwards to another but lies about what it is.
 class LyingGroup final : public Group {
-   public:
+ public:
     LyingGroup(std::shared_ptr<Group> inner, std::optional<int> rank, std::optional<std::string> identity = {})
         : inner_(std::move(inner)), rank_(rank), identity_(std::move(identity)) {}
     int rank() const override { return rank_ ? *rank_ : inner_->rank(); }
@@ -29,7 +29,7 @@ class LyingGroup final : public Group {
     void barrier() override { inner_->barrier(); }
     std::string identity() const override { return identity_ ? *identity_ : inner_->identity(); }
 
-   private:
+ private:
     std::shared_ptr<Group> inner_;
     std::optional<int> rank_;
     std::optional<std::string> identity_;
@@ -157,8 +157,8 @@ TEST(BadInput, Item05ViewsOfBufferOwnedOutputsNeverDangle) {
         DispatchResult d = buf->dispatch(make_args(s, data[0]));
         std::vector<uint16_t> y(static_cast<size_t>(d.recv_x.numel()), bf16(1.0f));
         TensorRef x = d.recv_x;
-        CombineResult c = buf->combine(std::move(d.handle),
-                                       {.y = TensorRef::contiguous(y.data(), DType::kBFloat16, d.recv_x.shape)});
+        CombineResult c =
+            buf->combine(std::move(d.handle), {.y = TensorRef::contiguous(y.data(), DType::kBFloat16, d.recv_x.shape)});
         return std::make_pair(x, c.out);
     };
     auto read_all = [](const TensorRef& t) {  // touches every byte the view spans
@@ -338,7 +338,8 @@ TEST(BadInput, Item11EveryFailedCombineConsumesItsHandle) {
     const std::vector<std::pair<std::string, std::function<void(DispatchResult&)>>> failures = {
         {"y dtype",
          [&](DispatchResult& d) {
-             buf->combine(std::move(d.handle), {.y = TensorRef::contiguous(f32.data(), DType::kFloat32, d.recv_x.shape)});
+             buf->combine(std::move(d.handle),
+                          {.y = TensorRef::contiguous(f32.data(), DType::kFloat32, d.recv_x.shape)});
          }},
         {"y shape",
          [&](DispatchResult& d) {
@@ -351,21 +352,21 @@ TEST(BadInput, Item11EveryFailedCombineConsumesItsHandle) {
          }},
         {"misaligned y",
          [&](DispatchResult& d) {
-             buf->combine(std::move(d.handle),
-                          {.y = TensorRef::contiguous(reinterpret_cast<uint8_t*>(y.data()) + 1, DType::kBFloat16,
-                                                      d.recv_x.shape),
-                           .weighted = false});
+             buf->combine(std::move(d.handle), {.y = TensorRef::contiguous(reinterpret_cast<uint8_t*>(y.data()) + 1,
+                                                                           DType::kBFloat16, d.recv_x.shape),
+                                                .weighted = false});
          }},
         {"another buffer",
          [&](DispatchResult& d) {
-             other->combine(std::move(d.handle),
-                            {.y = TensorRef::contiguous(y.data(), DType::kBFloat16, d.recv_x.shape), .weighted = false});
+             other->combine(
+                 std::move(d.handle),
+                 {.y = TensorRef::contiguous(y.data(), DType::kBFloat16, d.recv_x.shape), .weighted = false});
          }},
     };
-    for (const auto& [what, fail] : failures) {
+    for (const auto& failure : failures) {
         DispatchResult d = buf->dispatch(make_args(sc, data[0]));
-        EXPECT_TRUE(throws_error([&] { fail(d); }, ErrorCode::kInvalidArgument)) << what;
-        EXPECT_FALSE(d.handle.valid()) << what;
+        EXPECT_TRUE(throws_error([&] { failure.second(d); }, ErrorCode::kInvalidArgument)) << failure.first;
+        EXPECT_FALSE(d.handle.valid()) << failure.first;
     }
     std::vector<std::shared_ptr<Buffer>> bufs{buf};
     run_round(sc, g, bufs, "after failed combines");
@@ -417,9 +418,9 @@ TEST(BadInput, Item14ConfigMismatchNamesTheField) {
         Buffer::create(g[static_cast<size_t>(r)], c, BackendKind::kCPU);
     });
     for (int r = 0; r < 2; ++r)
-        EXPECT_TRUE(is_error(errors[static_cast<size_t>(r)], ErrorCode::kInvalidArgument,
-                             {"rank 1 passed a different config", "scale_format", "ue8m0_g128 on rank 1",
-                              "f32_g128 on rank 0"}))
+        EXPECT_TRUE(is_error(
+            errors[static_cast<size_t>(r)], ErrorCode::kInvalidArgument,
+            {"rank 1 passed a different config", "scale_format", "ue8m0_g128 on rank 1", "f32_g128 on rank 0"}))
             << r;
     errors = run_ranks(2, [&](int r) {
         BufferConfig c = small();
@@ -465,19 +466,25 @@ TEST(BadInput, MisalignedTensorsAreRejectedNamingTheTensorAndAddress) {
     };
     const std::vector<Case> cases = {
         {"dispatch: topk_idx", [&](DispatchArgs& a) { a.topk_idx.data = at(4); }, false},  // int64 at 4 bytes
-        {"dispatch: topk_idx", [&](DispatchArgs& a) {
+        {"dispatch: topk_idx",
+         [&](DispatchArgs& a) {
              a.topk_idx.dtype = DType::kInt32;
              a.topk_idx.data = at(2);
-         }, false},
+         },
+         false},
         {"dispatch: topk_weights", [&](DispatchArgs& a) { a.topk_weights->data = at(1); }, false},
         {"dispatch: x", [&](DispatchArgs& a) { a.x.data = at(1); }, false},
-        {"dispatch: x_scales", [&](DispatchArgs& a) {
+        {"dispatch: x_scales",
+         [&](DispatchArgs& a) {
              a.x = TensorRef::contiguous(x8.data(), DType::kFloat8E4M3, {t, h});
              a.x_scales = TensorRef::contiguous(at(3), DType::kFloat32, {t, 1});
-         }, true},
-        {"dispatch: caller-provided output", [&](DispatchArgs& a) {
+         },
+         true},
+        {"dispatch: caller-provided output",
+         [&](DispatchArgs& a) {
              a.outputs.recv_weights = TensorRef::contiguous(at(2), DType::kFloat32, {buf->max_contiguous_rows(1)});
-         }, false},
+         },
+         false},
     };
     for (const Case& c : cases) {
         DispatchArgs a = good();

@@ -29,7 +29,7 @@ struct Forgery {
     std::string what;
     std::function<void(tst::OutgoingDispatch&)> forge;  // applied to what rank 1 announces to rank 0
     std::vector<std::string> needles;
-    int first_bad_message;  // graph mode: messages from this one on are dropped (-1: every message)
+    int first_bad_message;   // graph mode: messages from this one on are dropped (-1: every message)
     bool only_that_message;  // graph mode: only first_bad_message is dropped
 };
 
@@ -42,28 +42,42 @@ std::vector<Forgery> forgeries() {
         {"count -1", [](auto& o) { o.count = -1; }, {"announced -1 messages"}, -1, false},
         {"zero-filled slot",
          [msg](auto& o) { std::memset(msg(o, 0), 0, static_cast<size_t>(o.layout.bytes)); },
-         {"message 0 of 4", "expert id 0 repeated at k=0 and k=1"}, 0, true},
+         {"message 0 of 4", "expert id 0 repeated at k=0 and k=1"},
+         0,
+         true},
         {"expert id past E",
          [msg](auto& o) { field(msg(o, 1), o.layout.idx_offset, 1) = 99; },
-         {"message 1 of 4", "expert id 99 at k=1 outside [-1, 4)"}, 1, true},
+         {"message 1 of 4", "expert id 99 at k=1 outside [-1, 4)"},
+         1,
+         true},
         {"expert id below -1",
          [msg](auto& o) { field(msg(o, 2), o.layout.idx_offset, 0) = -7; },
-         {"message 2 of 4", "expert id -7"}, 2, true},
+         {"message 2 of 4", "expert id -7"},
+         2,
+         true},
         {"no route held here",
          [msg](auto& o) {
              field(msg(o, 3), o.layout.idx_offset, 0) = 2;
              field(msg(o, 3), o.layout.idx_offset, 1) = 3;
          },
-         {"message 3 of 4", "no route to an expert of this rank"}, 3, true},
+         {"message 3 of 4", "no route to an expert of this rank"},
+         3,
+         true},
         {"source token past C",
          [msg](auto& o) { field(msg(o, 0), o.layout.src_offset) = kC; },
-         {"message 0 of 4", "source token 8 outside [0, 8)"}, 0, true},
+         {"message 0 of 4", "source token 8 outside [0, 8)"},
+         0,
+         true},
         {"source token negative",
          [msg](auto& o) { field(msg(o, 2), o.layout.src_offset) = -1; },
-         {"source token -1"}, 2, true},
+         {"source token -1"},
+         2,
+         true},
         {"source tokens out of order",
          [msg](auto& o) { field(msg(o, 2), o.layout.src_offset) = field(msg(o, 1), o.layout.src_offset); },
-         {"message 2 of 4", "after token 1"}, 2, true},
+         {"message 2 of 4", "after token 1"},
+         2,
+         true},
     };
 }
 
@@ -165,7 +179,8 @@ TEST(BadInputPeer, Item06ForgedPeerDataIsDroppedAndStickyInGraphMode) {
         auto in = peer_inputs();
         for (int64_t t = 0; t < in[1].num_tokens; ++t) {
             const bool dropped = f.first_bad_message < 0 || (f.only_that_message && t == f.first_bad_message);
-            if (dropped) in[1].topk_idx[static_cast<size_t>(2 * t)] = in[1].topk_idx[static_cast<size_t>(2 * t + 1)] = -1;
+            if (dropped)
+                in[1].topk_idx[static_cast<size_t>(2 * t)] = in[1].topk_idx[static_cast<size_t>(2 * t + 1)] = -1;
         }
         ref::DispatchOptions opt;
         opt.host_sync = false;

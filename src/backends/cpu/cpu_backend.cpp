@@ -23,21 +23,22 @@
 //
 // Buffer-owned outputs are allocated before any communication and never moved or freed while the
 // buffer lives (`OutputStore`), so every view handed out stays valid memory.
-#include <atomic>
-#include <chrono>
-#include <cmath>
-#include <cstring>
-#include <map>
-#include <mutex>
-#include <thread>
-#include <algorithm>
-#include <cerrno>
-#include <cstdio>
-#include <cstdlib>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
 
 #include "core/backend.hpp"
 #include "core/check.hpp"
@@ -87,7 +88,8 @@ struct Arena {
     }
     size_t total_bytes() const {
         const size_t r = static_cast<size_t>(num_ranks);
-        return flags_bytes() + r * slots() * static_cast<size_t>(msg.bytes) + r * slots() * static_cast<size_t>(hidden) * 2;
+        return flags_bytes() + r * slots() * static_cast<size_t>(msg.bytes) +
+               r * slots() * static_cast<size_t>(hidden) * 2;
     }
     // Points the fields into a mapping of total_bytes(); `init` constructs the flags (creator only).
     void attach(void* mapping, bool init) {
@@ -107,10 +109,13 @@ struct Arena {
     }
 
     uint8_t* slot(int d, int s, int64_t j) {
-        return disp_base + ((static_cast<size_t>(d) * num_ranks + static_cast<size_t>(s)) * capacity +
-                            static_cast<size_t>(j)) * static_cast<size_t>(msg.bytes);
+        return disp_base +
+               ((static_cast<size_t>(d) * num_ranks + static_cast<size_t>(s)) * capacity + static_cast<size_t>(j)) *
+                   static_cast<size_t>(msg.bytes);
     }
-    uint16_t* comb(int origin) { return comb_base + static_cast<size_t>(origin) * slots() * static_cast<size_t>(hidden); }
+    uint16_t* comb(int origin) {
+        return comb_base + static_cast<size_t>(origin) * slots() * static_cast<size_t>(hidden);
+    }
     DispatchFlag& dflag(int d, int s, uint64_t epoch) {
         return disp_flags[(static_cast<size_t>(d) * num_ranks + static_cast<size_t>(s)) * 2 + (epoch & 1)];
     }
@@ -119,14 +124,16 @@ struct Arena {
     }
 };
 
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "the arena's flags must be lock-free to work across processes");
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "the arena's flags must be lock-free to work across processes");
 
 // Out of memory is the caller's capacity, not a bug: the fix is a smaller reservation.
 void* checked_map(void* p, const std::string& what) {
     if (p != MAP_FAILED) return p;
     const int err = errno;
-    ELASTICEP_CHECK(err != ENOMEM && err != ENOSPC, ErrorCode::kCapacityExceeded, "CPU backend: ", what,
-                    " failed (", std::strerror(err), "): not enough memory for this reservation; lower "
+    ELASTICEP_CHECK(err != ENOMEM && err != ENOSPC, ErrorCode::kCapacityExceeded, "CPU backend: ", what, " failed (",
+                    std::strerror(err),
+                    "): not enough memory for this reservation; lower "
                     "max_tokens_per_rank (or hidden, or the number of ranks)");
     raise(ErrorCode::kInternal, cat("CPU backend: ", what, " failed: ", std::strerror(err)));
 }
@@ -138,7 +145,7 @@ size_t host_memory_bytes() {
 
 // Anonymous memory, zero-filled lazily by the kernel, unmapped when the block dies.
 class Block {
-   public:
+ public:
     Block(size_t bytes, const std::string& what) : bytes_(std::max<size_t>(bytes, 64)) {
         ELASTICEP_CHECK(bytes_ <= host_memory_bytes(), ErrorCode::kCapacityExceeded, "CPU backend: ", what, " needs ",
                         bytes_, " bytes, more than this host's ", host_memory_bytes(),
@@ -152,7 +159,7 @@ class Block {
     void* data() const { return data_; }
     size_t bytes() const { return bytes_; }
 
-   private:
+ private:
     size_t bytes_;
     void* data_ = nullptr;
 };
@@ -161,7 +168,7 @@ class Block {
 // expert_alignment needs more contiguous rows): the grown slot gets a new block and the old block
 // stays mapped until the buffer dies, so a view handed out by an earlier call never dangles.
 class OutputStore {
-   public:
+ public:
     void* get(int slot, size_t bytes, const char* what) {
         Block*& cur = current_[slot];
         if (cur == nullptr || cur->bytes() < bytes) {
@@ -171,7 +178,7 @@ class OutputStore {
         return cur->data();
     }
 
-   private:
+ private:
     std::vector<std::unique_ptr<Block>> blocks_;
     std::map<int, Block*> current_;
 };
@@ -229,18 +236,22 @@ size_t checked_arena_bytes(const BufferConfig& c, int num_ranks, const MessageLa
     const size_t host = host_memory_bytes();
     if (total > static_cast<Wide>(host)) {
         const long double gib = static_cast<long double>(total) / (1 << 30);
-        raise(ErrorCode::kCapacityExceeded,
-              cat("CPU backend: the shared arena for ", num_ranks, " ranks x max_tokens_per_rank=", c.max_tokens_per_rank,
-                  " x hidden=", c.hidden, " needs ", static_cast<double>(gib), " GiB, more than this host's ",
-                  host >> 20, " MiB of memory; lower max_tokens_per_rank (or hidden, or the number of ranks)"));
+        raise(
+            ErrorCode::kCapacityExceeded,
+            cat("CPU backend: the shared arena for ", num_ranks, " ranks x max_tokens_per_rank=", c.max_tokens_per_rank,
+                " x hidden=", c.hidden, " needs ", static_cast<double>(gib), " GiB, more than this host's ", host >> 20,
+                " MiB of memory; lower max_tokens_per_rank (or hidden, or the number of ranks)"));
     }
     return static_cast<size_t>(total);
 }
 
 class CpuBackend final : public BackendBuffer {
-   public:
+ public:
     explicit CpuBackend(const BackendContext& ctx)
-        : cfg_(ctx.config), rank_(ctx.rank), num_ranks_(ctx.num_ranks), e_local_(cfg_.num_experts / ctx.num_ranks),
+        : cfg_(ctx.config),
+          rank_(ctx.rank),
+          num_ranks_(ctx.num_ranks),
+          e_local_(cfg_.num_experts / ctx.num_ranks),
           load_(static_cast<size_t>(e_local_), 0) {
         auto arena = std::make_shared<Arena>(num_ranks_, cfg_.max_tokens_per_rank, cfg_.hidden, message_layout(cfg_));
         const int64_t pid = ::getpid();
@@ -273,7 +284,8 @@ class CpuBackend final : public BackendBuffer {
                     const size_t n = arena->total_bytes();
                     const std::string path = arena_path(cat(pid, "-", g_next_arena.fetch_add(1)), n);
                     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-                    ELASTICEP_CHECK(fd >= 0, ErrorCode::kInternal, "CPU backend: cannot create ", path, ": ", std::strerror(errno));
+                    ELASTICEP_CHECK(fd >= 0, ErrorCode::kInternal, "CPU backend: cannot create ", path, ": ",
+                                    std::strerror(errno));
                     // Reserve the file's blocks now: a sparse file on a full disk would fault (SIGBUS) on first touch.
                     const int fa = ::posix_fallocate(fd, 0, static_cast<off_t>(n));
                     void* p = fa == 0 ? ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
@@ -295,7 +307,8 @@ class CpuBackend final : public BackendBuffer {
             if (failure.empty()) arena_ = arena;
         } else if (root.path[0] != '\0') {
             const int fd = ::open(root.path, O_RDWR);
-            void* p = fd >= 0 ? ::mmap(nullptr, arena->total_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+            void* p =
+                fd >= 0 ? ::mmap(nullptr, arena->total_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
             if (fd >= 0) ::close(fd);
             if (p == MAP_FAILED) {
                 failure = cat("CPU backend: cannot map the arena file ", root.path, ": ", std::strerror(errno));
@@ -320,8 +333,8 @@ class CpuBackend final : public BackendBuffer {
         if (arena_ == nullptr && failure.empty()) failure = "CPU backend: rank 0 could not create the shared arena";
         ELASTICEP_CHECK(failure.empty(), failure_code, failure);
         // The combine output and the count/offset metadata have fixed sizes: allocated once, here.
-        out_block_ = std::make_unique<Block>(static_cast<size_t>(cfg_.max_tokens_per_rank) * cfg_.hidden * 2,
-                                             "combine output");
+        out_block_ =
+            std::make_unique<Block>(static_cast<size_t>(cfg_.max_tokens_per_rank) * cfg_.hidden * 2, "combine output");
         meta_block_ = std::make_unique<Block>(static_cast<size_t>(2 * e_local_ + 1) * 4, "dispatch counts");
     }
 
@@ -385,8 +398,9 @@ class CpuBackend final : public BackendBuffer {
         if (!reject) send_tokens(req, plan, sent);
         if (forger_)
             for (int d = 0; d < num_ranks_; ++d) {
-                testing::OutgoingDispatch o{rank_, d, sent[static_cast<size_t>(d)], arena_->slot(d, rank_, 0),
-                                            cfg_.max_tokens_per_rank, arena_->msg};
+                testing::OutgoingDispatch o{
+                    rank_,      d, sent[static_cast<size_t>(d)], arena_->slot(d, rank_, 0), cfg_.max_tokens_per_rank,
+                    arena_->msg};
                 forger_(o);
                 sent[static_cast<size_t>(d)] = o.count;
             }
@@ -398,13 +412,16 @@ class CpuBackend final : public BackendBuffer {
             f.epoch.store(epoch, std::memory_order_release);
         }
         // 2. wait for every sender
-        wait_all("dispatch", epoch, [&](int s) { return arena_->dflag(rank_, s, epoch).epoch.load(std::memory_order_acquire); });
+        wait_all("dispatch", epoch,
+                 [&](int s) { return arena_->dflag(rank_, s, epoch).epoch.load(std::memory_order_acquire); });
         for (int s = 0; s < num_ranks_; ++s) {
             const DispatchFlag& f = arena_->dflag(rank_, s, epoch);
             if (f.bad.any()) {
                 arena_->recv_done[rank_].store(epoch, std::memory_order_release);
                 raise(ErrorCode::kInvalidArgument,
-                      cat("dispatch: ", f.sticky ? "sticky fault from an earlier graph-mode dispatch (those routes were dropped): " : "",
+                      cat("dispatch: ",
+                          f.sticky ? "sticky fault from an earlier graph-mode dispatch (those routes were dropped): "
+                                   : "",
                           describe_bad_route(f.bad, s, cfg_.num_experts), "; no rank published outputs for this call"));
             }
         }
@@ -440,17 +457,22 @@ class CpuBackend final : public BackendBuffer {
         // 2. reduce at the origin in first-k destination order
         const RoutePlan& plan = data.plan;
         const int64_t t_count = plan.num_tokens;
-        TensorRef out = args.out ? *args.out : TensorRef::contiguous(out_block_->data(), DType::kBFloat16, {t_count, h_count});
+        TensorRef out =
+            args.out ? *args.out : TensorRef::contiguous(out_block_->data(), DType::kBFloat16, {t_count, h_count});
         const int64_t out_stride = t_count > 1 ? out.stride(0) : h_count;
         const int64_t bias_stride = args.bias && t_count > 1 ? args.bias->stride(0) : h_count;
         auto* o = static_cast<uint16_t*>(out.data);
         const uint16_t* own = arena_->comb(rank_);
         for (int64_t t = 0; t < t_count; ++t) {
             for (int h = 0; h < h_count; ++h) {
-                float acc = args.bias ? num::bf16_to_float(static_cast<const uint16_t*>(args.bias->data)[t * bias_stride + h]) : 0.0f;
-                for (int32_t i = plan.dest_offsets[static_cast<size_t>(t)]; i < plan.dest_offsets[static_cast<size_t>(t + 1)]; ++i) {
+                float acc = args.bias
+                                ? num::bf16_to_float(static_cast<const uint16_t*>(args.bias->data)[t * bias_stride + h])
+                                : 0.0f;
+                for (int32_t i = plan.dest_offsets[static_cast<size_t>(t)];
+                     i < plan.dest_offsets[static_cast<size_t>(t + 1)]; ++i) {
                     const int32_t d = plan.dests[static_cast<size_t>(i)];
-                    const size_t at = (static_cast<size_t>(d) * cfg_.max_tokens_per_rank + static_cast<size_t>(t)) * h_count + h;
+                    const size_t at =
+                        (static_cast<size_t>(d) * cfg_.max_tokens_per_rank + static_cast<size_t>(t)) * h_count + h;
                     acc = acc + num::bf16_to_float(own[at]);
                 }
                 o[t * out_stride + h] = num::float_to_bf16(acc);
@@ -459,7 +481,7 @@ class CpuBackend final : public BackendBuffer {
         return out;
     }
 
-   private:
+ private:
     template <class EpochOf>
     void wait_all(const char* phase, uint64_t epoch, EpochOf epoch_of) {
         const auto deadline = std::chrono::steady_clock::now() + cfg_.timeout;
@@ -468,8 +490,10 @@ class CpuBackend final : public BackendBuffer {
             for (int p = 0; p < num_ranks_ && all; ++p) all = epoch_of(p) >= epoch;
             if (all) return;
             if (std::chrono::steady_clock::now() > deadline) break;
-            if (spins < 64) std::this_thread::yield();
-            else std::this_thread::sleep_for(std::chrono::microseconds(50));
+            if (spins < 64)
+                std::this_thread::yield();
+            else
+                std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
         std::string missing;
         uint64_t observed = epoch;
@@ -480,10 +504,11 @@ class CpuBackend final : public BackendBuffer {
                 observed = std::min(observed, e);
             }
         }
-        raise(ErrorCode::kTimeout, cat(phase, ": rank ", rank_, " waited ", cfg_.timeout.count(), " ms for rank(s) ", missing,
-                                       " (expected call #", epoch, ", last seen #", observed,
-                                       "); a peer did not call ", phase, " or is stuck. This buffer is unusable now: "
-                                       "rebuild it"));
+        raise(ErrorCode::kTimeout,
+              cat(phase, ": rank ", rank_, " waited ", cfg_.timeout.count(), " ms for rank(s) ", missing,
+                  " (expected call #", epoch, ", last seen #", observed, "); a peer did not call ", phase,
+                  " or is stuck. This buffer is unusable now: "
+                  "rebuild it"));
     }
 
     void send_tokens(const DispatchRequest& req, const RoutePlan& plan, std::vector<int64_t>& sent) {
@@ -502,16 +527,20 @@ class CpuBackend final : public BackendBuffer {
             if (begin == end) continue;
             // build the message once, then copy it to each destination
             if (req.quantize) {
-                quantize_row(static_cast<const uint16_t*>(a.x.data) + t * x_stride, h_count, cfg_.scale_format, row.data(),
-                             row.data() + m.payload_bytes);
+                quantize_row(static_cast<const uint16_t*>(a.x.data) + t * x_stride, h_count, cfg_.scale_format,
+                             row.data(), row.data() + m.payload_bytes);
             } else if (req.prequantized) {
-                std::memcpy(row.data(), static_cast<const uint8_t*>(a.x.data) + t * x_stride, static_cast<size_t>(h_count));
-                std::memcpy(row.data() + m.payload_bytes, static_cast<const uint8_t*>(a.x_scales->data) + t * s_stride * 4,
+                std::memcpy(row.data(), static_cast<const uint8_t*>(a.x.data) + t * x_stride,
+                            static_cast<size_t>(h_count));
+                std::memcpy(row.data() + m.payload_bytes,
+                            static_cast<const uint8_t*>(a.x_scales->data) + t * s_stride * 4,
                             static_cast<size_t>(scols) * 4);
             } else {
-                std::memcpy(row.data(), static_cast<const uint16_t*>(a.x.data) + t * x_stride, static_cast<size_t>(h_count) * 2);
+                std::memcpy(row.data(), static_cast<const uint16_t*>(a.x.data) + t * x_stride,
+                            static_cast<size_t>(h_count) * 2);
             }
-            std::memcpy(row.data() + m.idx_offset, &plan.idx[static_cast<size_t>(t * k_count)], static_cast<size_t>(k_count) * 4);
+            std::memcpy(row.data() + m.idx_offset, &plan.idx[static_cast<size_t>(t * k_count)],
+                        static_cast<size_t>(k_count) * 4);
             auto* w = reinterpret_cast<float*>(row.data() + m.weight_offset);
             for (int k = 0; k < k_count; ++k)
                 w[k] = a.topk_weights ? static_cast<const float*>(a.topk_weights->data)[t * w_stride + k] : 0.0f;
@@ -519,7 +548,8 @@ class CpuBackend final : public BackendBuffer {
             std::memcpy(row.data() + m.src_offset, &src, 4);
             for (int32_t i = begin; i < end; ++i) {
                 const int d = plan.dests[static_cast<size_t>(i)];
-                std::memcpy(arena_->slot(d, rank_, sent[static_cast<size_t>(d)]++), row.data(), static_cast<size_t>(m.bytes));
+                std::memcpy(arena_->slot(d, rank_, sent[static_cast<size_t>(d)]++), row.data(),
+                            static_cast<size_t>(m.bytes));
             }
         }
     }
@@ -583,7 +613,8 @@ class CpuBackend final : public BackendBuffer {
                     for (int k = 0; k < cfg_.num_topk && bad.empty(); ++k) {
                         int32_t e;
                         std::memcpy(&e, msg + m.idx_offset + 4 * k, 4);
-                        if (e < -1 || e >= cfg_.num_experts) bad = cat("expert id ", e, " at k=", k, " outside [-1, ", cfg_.num_experts, ")");
+                        if (e < -1 || e >= cfg_.num_experts)
+                            bad = cat("expert id ", e, " at k=", k, " outside [-1, ", cfg_.num_experts, ")");
                         for (int q = 0; q < k && bad.empty() && e >= 0; ++q) {
                             int32_t f;
                             std::memcpy(&f, msg + m.idx_offset + 4 * q, 4);
@@ -640,10 +671,12 @@ class CpuBackend final : public BackendBuffer {
         std::vector<int64_t> start(static_cast<size_t>(e_local_) + 1, 0);
         for (int l = 0; l < e_local_; ++l)
             start[static_cast<size_t>(l) + 1] =
-                start[static_cast<size_t>(l)] + (contiguous ? round_up(counts[static_cast<size_t>(l)], a.expert_alignment) : 0);
+                start[static_cast<size_t>(l)] +
+                (contiguous ? round_up(counts[static_cast<size_t>(l)], a.expert_alignment) : 0);
         const int64_t m_rows = start[static_cast<size_t>(e_local_)];
         // checked messages cannot overflow the worst case; the layout relies on it
-        ELASTICEP_INTERNAL(!contiguous || m_rows <= req.rows_cap, "received rows ", m_rows, " exceed M_cap ", req.rows_cap);
+        ELASTICEP_INTERNAL(!contiguous || m_rows <= req.rows_cap, "received rows ", m_rows, " exceed M_cap ",
+                           req.rows_cap);
         const int64_t rows_out = contiguous ? (a.host_sync ? m_rows : req.rows_cap) : rc;
 
         // outputs: caller-provided (fixed worst-case shape) or buffer-owned, both with the strides of
@@ -720,7 +753,8 @@ class CpuBackend final : public BackendBuffer {
                 const int64_t pos = fill[static_cast<size_t>(l)]++;
                 const int64_t row = contiguous ? start[static_cast<size_t>(l)] + pos : l * rc + pos;
                 std::memcpy(rx + row * static_cast<int64_t>(row_bytes), msg, row_bytes);
-                for (int c = 0; c < scols; ++c) std::memcpy(&scale_at(l, pos, row, c), msg + m.payload_bytes + 4 * c, 4);
+                for (int c = 0; c < scols; ++c)
+                    std::memcpy(&scale_at(l, pos, row, c), msg + m.payload_bytes + 4 * c, 4);
                 rw[row] = w[k];
                 rs[row] = static_cast<int32_t>(s * cfg_.max_tokens_per_rank + src_t);
                 if (mi) mi[row] = static_cast<int32_t>(l);
@@ -750,7 +784,8 @@ size_t cpu_reservation_bytes(const BufferConfig& c, int num_ranks) {
     const size_t slots = static_cast<size_t>(num_ranks) * static_cast<size_t>(c.max_tokens_per_rank);
     const size_t msg = static_cast<size_t>(message_layout(c).bytes);
     // this rank's share of the arena: its receive slots and its combine slots, plus its combine output
-    return slots * msg + slots * static_cast<size_t>(c.hidden) * 2 + static_cast<size_t>(c.max_tokens_per_rank) * c.hidden * 2;
+    return slots * msg + slots * static_cast<size_t>(c.hidden) * 2 +
+           static_cast<size_t>(c.max_tokens_per_rank) * c.hidden * 2;
 }
 
 std::unique_ptr<BackendBuffer> make_cpu_backend(const BackendContext& ctx) { return std::make_unique<CpuBackend>(ctx); }
