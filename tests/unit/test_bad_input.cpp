@@ -271,6 +271,27 @@ TEST(BadInput, Item08SecondThreadOnOneBufferIsToldWhichCallHoldsIt) {
     run_round(sc, g, bufs, "after the refused call");
 }
 
+// A rank's Group used from two threads at once is refused as well (ThreadGroup): the second entry
+// into a collective the rank already waits in breaks the group with that reason, on every thread.
+TEST(BadInput, Item08OneRanksGroupFromTwoThreadsIsRefused) {
+    auto g = ThreadGroup::create(2, 5000ms);
+    std::vector<std::exception_ptr> errs(2);
+    std::vector<std::thread> th;
+    for (int i = 0; i < 2; ++i)
+        th.emplace_back([&, i] {
+            try {
+                g[0]->barrier();  // both threads play rank 0; rank 1 never comes
+            } catch (...) {
+                errs[static_cast<size_t>(i)] = std::current_exception();
+            }
+        });
+    for (auto& t : th) t.join();
+    for (int i = 0; i < 2; ++i)
+        EXPECT_TRUE(is_error(errs[static_cast<size_t>(i)], ErrorCode::kInvalidArgument,
+                             {"rank 0 entered a collective it is already waiting in"}))
+            << describe(errs[static_cast<size_t>(i)]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // 9. A rank that rejects its own config is heard by every rank at once (it used to skip the first
 //    collective, and its peers waited the group's timeout to learn only "never arrived").
