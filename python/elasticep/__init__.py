@@ -65,7 +65,7 @@ def backend_available(backend):
 
 def scale_columns(scale_format, hidden):
     """Scale columns per row as stored: fp32 groups for f32_g128, packed int32 words for ue8m0."""
-    return _C.scale_columns(str(scale_format), int(hidden))
+    return _C.scale_columns(scale_format, hidden)  # checked there: hidden must be an int in [1, 65536]
 
 
 __all__ = [

@@ -84,7 +84,8 @@ int run_case(std::shared_ptr<Group> group, Payload payload, const std::vector<in
     c.y = TensorRef::contiguous(ys[static_cast<size_t>(r)].data(), DType::kBFloat16, res.recv_x.shape);
     const auto out = buf->combine(std::move(res.handle), c);
     const auto want = reference::combine(cfg, n, in, opt, ys, true, {});
-    if (std::memcmp(out.out.data, want[static_cast<size_t>(r)].data(), want[static_cast<size_t>(r)].size() * 2) != 0)
+    if (!want[static_cast<size_t>(r)].empty() &&  // (memcmp of an empty vector's null data is undefined)
+        std::memcmp(out.out.data, want[static_cast<size_t>(r)].data(), want[static_cast<size_t>(r)].size() * 2) != 0)
         return fail(r, "combine");
     return 0;
 }
