@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "elasticep/limits.hpp"
+
 namespace elasticep {
 
 enum class Payload : uint8_t { kBF16, kFP8 };
@@ -48,18 +50,7 @@ int scale_group_size(ScaleFormat f);
 // Throws InvalidArgument unless hidden is in [1, kMaxHidden].
 int scale_columns(ScaleFormat f, int hidden);
 
-// Value ranges that BufferConfig::validate and the dispatch checks enforce (docs/SEMANTICS.md,
-// "Value ranges"). Each bound keeps every size, offset and row index inside the integer type that
-// holds it, on every backend.
-inline constexpr int kMaxGroupSize = 1 << 16;                // ranks in one group
-inline constexpr int kMaxExperts = 1 << 16;                  // num_experts
-inline constexpr int kMaxTopk = 32;                          // num_topk
-inline constexpr int kMaxHidden = 1 << 16;                   // hidden
-inline constexpr int64_t kMaxRouteSlots = int64_t{1} << 30;  // ranks * max_tokens_per_rank * num_topk (exclusive)
-inline constexpr int64_t kMaxRows = int64_t{1} << 31;  // masked slab rows E_local*R*C, contiguous M_cap (exclusive)
-inline constexpr int kMaxExpertAlignment = 1 << 16;    // DispatchArgs::expert_alignment
-inline constexpr int kMaxSms = 1024;                   // num_sms (the CUDA backend caps it at the device's count)
-inline constexpr std::chrono::milliseconds kMaxTimeout{int64_t{7} * 24 * 3600 * 1000};  // 7 days
+// Value ranges: include/elasticep/limits.hpp.
 // Checks a timeout against [1 ms, kMaxTimeout]; `what` names the parameter in the error.
 void validate_timeout(std::chrono::milliseconds timeout, const char* what);
 

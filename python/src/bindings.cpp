@@ -850,15 +850,16 @@ NB_MODULE(_C, m) {
     });
 
     // ---- byte accounting (include/elasticep/traffic.hpp) for python -m elasticep.bench ---------
-    // count_traffic(num_ranks, rank, num_experts, num_topk, hidden, payload, scale_format, topk_idx,
-    // prequantized) -> dict: one source rank's counts, as `elasticep bench` reports them. topk_idx:
-    // a host int32/int64 [T, K] array (any strides).
+    // count_traffic(params, num_ranks, rank, topk_idx, prequantized) -> dict: one source rank's
+    // counts, as `elasticep bench` reports them. `params`: Buffer(...)'s keyword arguments (the same
+    // names, through the same field table); topk_idx: a host int32/int64 [T, K] array (any strides).
     m.def(
         "count_traffic",
-        [](int num_ranks, int rank, int num_experts, int num_topk, int hidden, const std::string& payload,
-           const std::string& scale_format, nb::ndarray<nb::ro, nb::device::cpu> topk_idx, bool prequantized) {
-            const BufferConfig c =
-                make_config(num_experts, num_topk, hidden, 1, payload, scale_format, "direct", 0, 0, 30.0, -1);
+        [](const nb::dict& params, int num_ranks, int rank, nb::ndarray<nb::ro, nb::device::cpu> topk_idx,
+           bool prequantized) {
+            BufferConfig c;
+            c.max_tokens_per_rank = 1;
+            fill_config(c, params);
             const bool i64 = topk_idx.dtype() == nb::dtype<int64_t>(), i32 = topk_idx.dtype() == nb::dtype<int32_t>();
             if (!i64 && !i32) raise_arg("count_traffic: topk_idx must be int32 or int64");
             TensorRef t;
@@ -880,6 +881,5 @@ NB_MODULE(_C, m) {
             d["combine_hbm_bytes"] = tr.combine_hbm_bytes;
             return d;
         },
-        "num_ranks"_a, "rank"_a, "num_experts"_a, "num_topk"_a, "hidden"_a, "payload"_a, "scale_format"_a, "topk_idx"_a,
-        "prequantized"_a);
+        "params"_a, "num_ranks"_a, "rank"_a, "topk_idx"_a, "prequantized"_a);
 }
