@@ -717,6 +717,11 @@ def _report(args, backend, fw):
 
 def main(argv=None):
     """Entry point of ``python -m elasticep.bench``; returns the process exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--moe-layer" in argv:  # the whole MoE layer, timed per stage (optionally on DeepGEMM): moe_bench.py
+        from . import moe_bench
+
+        return moe_bench.main(argv)
     try:
         args = _parse(argv)
         for tokens in args.tokens:

@@ -157,6 +157,13 @@ class Buffer:
         return self._live().config
 
     @property
+    def settings(self):
+        """The buffer's configuration as a structure: a copy of its ``_C.BufferConfig``, whose fields
+        (``_C.BufferConfig.fields``: num_experts, num_topk, hidden, max_tokens_per_rank, payload,
+        scale_format, topology, ...) read as attributes (enums by name, e.g. ``payload == "fp8"``)."""
+        return self._live().settings
+
+    @property
     def group(self):
         """The :class:`Group` this buffer was built over."""
         return self._group

@@ -22,8 +22,6 @@ ranks holding the experts, plus the optional bias. Do not all-reduce it again ac
 docs/SERVING.md is the guide; include/elasticep/serving.hpp is the C++ API with the same contract.
 """
 
-import re
-
 from . import _C
 from . import _tensors as T
 from .buffer import Buffer, get_buffer
@@ -377,13 +375,11 @@ def expected_m(num_tokens, num_ranks, num_topk, num_experts):
 
 
 def _buffer_config(buffer):
-    cfg = dict(re.findall(r"(\w+)=(\S+)", buffer.config))
-    try:
-        return dict(num_experts=int(cfg["num_experts"]), num_topk=int(cfg["num_topk"]), hidden=int(cfg["hidden"]),
-                    max_tokens_per_rank=int(cfg["max_tokens_per_rank"]), payload=cfg["payload"],
-                    scale_format=cfg.get("scale_format", "f32_g128"))
-    except KeyError as e:  # pragma: no cover - the config text is the library's own
-        raise InvalidArgumentError("MoeDispatcher: cannot read %s from the buffer's config %r" % (e, buffer.config))
+    """The fields the dispatcher needs, read from the buffer's configuration structure."""
+    s = buffer.settings
+    return dict(num_experts=int(s.num_experts), num_topk=int(s.num_topk), hidden=int(s.hidden),
+                max_tokens_per_rank=int(s.max_tokens_per_rank), payload=str(s.payload),
+                scale_format=str(s.scale_format))
 
 
 class MoeDispatchOutput:
@@ -530,6 +526,16 @@ class MoeDispatcher:
                                        "follows each dispatch exactly once)")
         handle, self._handle = self._handle, None  # released whatever happens below
         return self.buffer.combine(y, handle, weighted=self._weighted, bias=bias, out=out, stream=stream)
+
+    def release(self):
+        """Drops the pending dispatch's handle without a combine (local, no communication), so that the
+        next dispatch works; for a caller that refuses its combine input before combining. Peers that
+        did enter their combine then fail with a TimeoutError. Returns True when a handle was pending."""
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return False
+        handle._release()
+        return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -840,6 +840,8 @@ NB_MODULE(_C, m) {
         .def_prop_ro("num_ranks", &Buffer::num_ranks)
         .def_prop_ro("num_local_experts", &Buffer::num_local_experts)
         .def_prop_ro("config", [](const Buffer& b) { return b.config().describe(); })
+        // The configuration as a structure (a copy): the fields of _C.BufferConfig, read by name.
+        .def_prop_ro("settings", [](const Buffer& b) -> BufferConfig { return b.config(); })
         .def_prop_ro("group", &Buffer::group);
 
     register_serving(m);  // elasticep.serving: checks, adapters, reference MoE layer (serving_bindings.cpp)
