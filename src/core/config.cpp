@@ -4,6 +4,7 @@
 
 #include "core/check.hpp"
 #include "core/layout.hpp"
+#include "core/limits.hpp"
 
 namespace elasticep {
 
@@ -74,10 +75,13 @@ int scale_columns(ScaleFormat f, int hidden) {
 void BufferConfig::validate(int num_ranks) const {
     using detail::cat;
     ELASTICEP_CHECK_ARG(num_ranks >= 1, "the group has ", num_ranks, " ranks; need at least 1");
+    ELASTICEP_CHECK(num_ranks <= kMaxRanks, ErrorCode::kUnsupported, "the group has ", num_ranks,
+                    " ranks; ElasticEP supports at most kMaxRanks=", kMaxRanks, " ranks per group");
     ELASTICEP_CHECK_ARG(num_experts >= 1, "num_experts=", num_experts, " must be positive");
     ELASTICEP_CHECK_ARG(num_experts % num_ranks == 0, "num_experts=", num_experts,
                         " must be a multiple of the number of ranks (", num_ranks, ")");
-    ELASTICEP_CHECK_ARG(num_topk >= 1 && num_topk <= 32, "num_topk=", num_topk, " must be in [1, 32]");
+    ELASTICEP_CHECK_ARG(num_topk >= 1 && num_topk <= kMaxTopk, "num_topk=", num_topk, " must be in [1, ", kMaxTopk,
+                        "] (kMaxTopk)");
     ELASTICEP_CHECK_ARG(num_topk <= num_experts, "num_topk=", num_topk, " exceeds num_experts=", num_experts,
                         " (a top-k row may not repeat an expert)");
     ELASTICEP_CHECK_ARG(hidden >= 1, "hidden=", hidden, " must be positive");
@@ -91,8 +95,9 @@ void BufferConfig::validate(int num_ranks) const {
     ELASTICEP_CHECK_ARG(max_tokens_per_rank >= 1, "max_tokens_per_rank=", max_tokens_per_rank,
                         " must be at least 1 (it is the per-rank token capacity reserved in memory)");
     const int64_t slots = int64_t{num_ranks} * max_tokens_per_rank * num_topk;
-    ELASTICEP_CHECK_ARG(slots < (int64_t{1} << 30), "ranks * max_tokens_per_rank * num_topk = ", slots,
-                        " is too large for int32 row indices; lower max_tokens_per_rank");
+    ELASTICEP_CHECK_ARG(slots < kMaxRouteSlots, "ranks * max_tokens_per_rank * num_topk = ", slots,
+                        " is too large for int32 row indices (limit kMaxRouteSlots=", kMaxRouteSlots,
+                        "); lower max_tokens_per_rank");
     ELASTICEP_CHECK_ARG(num_sms >= 0, "num_sms=", num_sms, " must be >= 0 (0 picks it automatically)");
     ELASTICEP_CHECK_ARG(timeout.count() > 0, "timeout=", timeout.count(), " ms must be positive");
     if (topology == Topology::kHybrid) {

@@ -47,6 +47,7 @@
 #include "core/check.hpp"
 #include "core/layout.hpp"
 #include "core/outputs.hpp"
+#include "core/protocol.hpp"
 #include "core/routing.hpp"
 #include "kernels/common/cuda_check.hpp"
 #include "kernels/intranode/combine.cuh"
@@ -63,11 +64,6 @@ using kernels::RegionLayout;
 using kernels::RouteStatus;
 using kernels::Workspace;
 
-
-MessageLayout message_layout(const BufferConfig& c) {
-    const bool fp8 = c.payload == Payload::kFP8;
-    return MessageLayout::make(c.hidden, c.num_topk, fp8 ? 1 : 2, fp8 ? scale_columns(c.scale_format, c.hidden) : 0);
-}
 
 RegionLayout region_layout(const BufferConfig& c, int r) {
     return RegionLayout::make(r, c.max_tokens_per_rank, c.num_topk, c.num_experts / r, c.hidden, message_layout(c).bytes);
@@ -392,11 +388,9 @@ class CudaBackend final : public BackendBuffer {
         raise_timeout();
         volatile RouteStatus* s = &rec_->sticky;
         if (s->kind != 0) {
-            BadRoute b{s->kind, s->token, s->k, s->dup_of, s->value};
+            const RouteStatus b{s->kind, s->token, s->k, s->dup_of, s->value, 0, 0};
             s->kind = 0;
-            raise(ErrorCode::kInvalidArgument, "sticky fault from an earlier graph-mode dispatch: " +
-                                                   describe_bad_route(b, rank_, cfg_.num_experts) +
-                                                   " (those routes were dropped)");
+            raise(ErrorCode::kInvalidArgument, sticky_fault_message(b, rank_, cfg_.num_experts));
         }
     }
 
@@ -483,12 +477,8 @@ class CudaBackend final : public BackendBuffer {
             raise_timeout();
             const volatile HostRecord* r = rec_;
             if (r->bad_sender >= 0) {
-                const BadRoute b{r->bad.kind, r->bad.token, r->bad.k, r->bad.dup_of, r->bad.value};
-                raise(ErrorCode::kInvalidArgument,
-                      cat("dispatch: ", r->bad.sticky ? "sticky fault from an earlier graph-mode dispatch (those routes "
-                                                        "were dropped): " : "",
-                          describe_bad_route(b, r->bad_sender, cfg_.num_experts),
-                          "; no rank published outputs for this call"));
+                const RouteStatus b{r->bad.kind, r->bad.token, r->bad.k, r->bad.dup_of, r->bad.value, r->bad.sticky, 0};
+                raise(ErrorCode::kInvalidArgument, rejected_dispatch_message(b, r->bad_sender, cfg_.num_experts));
             }
             if (contiguous) rows_out = r->num_rows;
         }
@@ -644,14 +634,12 @@ class CudaBackend final : public BackendBuffer {
     void raise_timeout() {
         const volatile HostRecord* r = rec_;
         if (r->timeout_phase == kernels::kPhaseNone) return;
-        const char* phase = r->timeout_phase == kernels::kPhaseDispatch ? "dispatch" : "combine";
-        std::string missing;
-        for (int q = 0; q < num_ranks_ && q < 64; ++q)
-            if (r->timeout_missing & (uint64_t{1} << q)) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
-        raise(ErrorCode::kTimeout,
-              cat(phase, ": rank ", rank_, " waited ", cfg_.timeout.count(), " ms for rank(s) ", missing,
-                  " (expected call #", r->timeout_expected, ", last seen #", r->timeout_observed, "); a peer did not call ",
-                  phase, " or is stuck. This buffer is unusable now: rebuild it. ", diagnose()));
+        const uint64_t mask = r->timeout_missing;
+        MissingPeers missing = scan_missing([&](int q) { return q < 64 && (mask >> q) & 1 ? uint64_t{0} : ~uint64_t{0}; },
+                                            num_ranks_, ~uint64_t{0});
+        missing.observed = r->timeout_observed;
+        raise(ErrorCode::kTimeout, timeout_message(r->timeout_phase, rank_, cfg_.timeout.count(), missing,
+                                                   r->timeout_expected) + ". " + diagnose());
     }
 
     // Ranks of one process sharing a GPU (kernels::SyncMode): after this rank's publish has run,
@@ -766,7 +754,7 @@ size_t cuda_reservation_bytes(const BufferConfig& c, int num_ranks) {
     // the symmetric region, the workspace and the combine output; buffer-owned dispatch outputs
     // are allocated at the first call of each layout, for its worst case
     return static_cast<size_t>(region_layout(c, num_ranks).bytes) + WorkspaceLayout::make(c, num_ranks).bytes +
-           static_cast<size_t>(c.max_tokens_per_rank) * static_cast<size_t>(c.hidden) * 2;
+           static_cast<size_t>(reservation(c, num_ranks).combine_out);
 }
 
 }  // namespace elasticep::detail

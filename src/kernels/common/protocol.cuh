@@ -6,20 +6,14 @@
 
 #include <cstdint>
 
+#include "core/protocol.hpp"
+
 namespace elasticep::kernels {
 
-// One rank's first invalid route of a call (mirrors detail::BadRoute; kind 0 = none).
-struct RouteStatus {
-    int32_t kind;
-    int32_t token;
-    int32_t k;
-    int32_t dup_of;
-    int64_t value;
-    int32_t sticky;  // 1: this is a sticky fault from an earlier graph-mode call
-    int32_t pad;
-};
-
-enum Phase : int32_t { kPhaseNone = 0, kPhaseDispatch = 1, kPhaseCombine = 2 };
+using detail::kPhaseCombine;
+using detail::kPhaseDispatch;
+using detail::kPhaseNone;
+using detail::RouteStatus;
 
 // Host-mapped record of one rank (written by the device, read by the host after a sync).
 struct HostRecord {

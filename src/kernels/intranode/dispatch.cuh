@@ -145,20 +145,15 @@ __device__ RouteStatus resolve_status(const DispatchParams& p) {
         }
     }
     volatile RouteStatus* sticky = &p.rec->sticky;
-    RouteStatus st{};
-    if (p.host_sync) {
-        if (sticky->kind != 0) {
-            st.kind = sticky->kind;
-            st.token = sticky->token;
-            st.k = sticky->k;
-            st.dup_of = sticky->dup_of;
-            st.value = sticky->value;
-            st.sticky = 1;
-            sticky->kind = 0;
-        } else {
-            st = bad;
-        }
-    } else if (bad.kind != 0 && sticky->kind == 0) {
+    RouteStatus now{};
+    now.kind = sticky->kind;
+    now.token = sticky->token;
+    now.k = sticky->k;
+    now.dup_of = sticky->dup_of;
+    now.value = sticky->value;
+    const detail::RouteDecision d = detail::decide_route_status(p.host_sync, now, bad);
+    if (d.clear_sticky) sticky->kind = 0;
+    if (d.record_sticky) {
         sticky->token = bad.token;
         sticky->k = bad.k;
         sticky->dup_of = bad.dup_of;
@@ -166,7 +161,7 @@ __device__ RouteStatus resolve_status(const DispatchParams& p) {
         __threadfence_system();
         sticky->kind = bad.kind;
     }
-    return st;
+    return d.publish;
 }
 
 // Two floats to E4M3 (RNE, satfinite, NaN -> 0x7f): the hardware conversion. Equal to
