@@ -52,6 +52,8 @@
 #include "kernels/common/cuda_check.hpp"
 #include "kernels/intranode/combine.cuh"
 #include "kernels/intranode/dispatch.cuh"
+#include "transport/device_pool.hpp"
+#include "transport/symmetric_memory.hpp"
 
 namespace elasticep::detail {
 
@@ -63,6 +65,8 @@ using kernels::HostRecord;
 using kernels::RegionLayout;
 using kernels::RouteStatus;
 using kernels::Workspace;
+using transport::GrowingBlock;
+using transport::pool_alloc;
 
 
 RegionLayout region_layout(const BufferConfig& c, int r) {
@@ -71,8 +75,8 @@ RegionLayout region_layout(const BufferConfig& c, int r) {
 
 // Workspace pieces carved from one allocation.
 struct WorkspaceLayout {
-    size_t pos_in_expert, slot_of, clean_idx, expert_count, dest_count, status, bad_key, epoch, state, recv_count, base, counts,
-        start, recv_rows, load, peers, bytes;
+    size_t pos_in_expert, slot_of, clean_idx, expert_count, dest_count, status, bad_key, epoch, state, msg_start, base,
+        counts, start, recv_rows, load, bytes;
     static WorkspaceLayout make(const BufferConfig& c, int r) {
         WorkspaceLayout w{};
         size_t at = 0;
@@ -84,7 +88,7 @@ struct WorkspaceLayout {
         const size_t cap = static_cast<size_t>(c.max_tokens_per_rank), k = static_cast<size_t>(c.num_topk);
         const size_t el = static_cast<size_t>(c.num_experts / r), rr = static_cast<size_t>(r);
         w.pos_in_expert = take(cap * k * 4);
-        w.slot_of = take(cap * rr * 4);
+        w.slot_of = take(cap * k * 4);
         w.clean_idx = take(cap * k * 4);
         w.expert_count = take(static_cast<size_t>(c.num_experts) * 4);
         w.dest_count = take(rr * 4);
@@ -92,53 +96,16 @@ struct WorkspaceLayout {
         w.bad_key = take(8);
         w.epoch = take(8);
         w.state = take(16);
-        w.recv_count = take(rr * 4);
+        w.msg_start = take((rr + 1) * 4);
         w.base = take(rr * el * 4);
         w.counts = take(el * 4);
         w.start = take((el + 1) * 4);
         w.recv_rows = take(rr * cap * k * 4);
         w.load = take(el * 8);
-        w.peers = take(rr * 8);
         w.bytes = at;
         return w;
     }
 };
-
-// Process-wide stream-ordered pool of one device: receive regions of same-process groups, workspaces
-// and buffer-owned outputs. Every device that can reach this one as a peer may access it (pool memory
-// ignores cudaDeviceEnablePeerAccess). Created once per device, never destroyed.
-cudaMemPool_t device_pool(int dev) {
-    static std::mutex mu;
-    static std::map<int, cudaMemPool_t> pools;
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = pools.find(dev);
-    if (it != pools.end()) return it->second;
-    cudaMemPoolProps props{};
-    props.allocType = cudaMemAllocationTypePinned;
-    props.location.type = cudaMemLocationTypeDevice;
-    props.location.id = dev;
-    cudaMemPool_t pool = nullptr;
-    ELASTICEP_CUDA_CALL(cudaMemPoolCreate(&pool, &props));
-    int n = 0;
-    ELASTICEP_CUDA_CALL(cudaGetDeviceCount(&n));
-    for (int d = 0; d < n; ++d) {
-        int can = 0;
-        if (d == dev || cudaDeviceCanAccessPeer(&can, d, dev) != cudaSuccess || !can) continue;
-        cudaMemAccessDesc desc{};
-        desc.location.type = cudaMemLocationTypeDevice;
-        desc.location.id = d;
-        desc.flags = cudaMemAccessFlagsProtReadWrite;
-        ELASTICEP_CUDA_CALL(cudaMemPoolSetAccess(pool, &desc, 1));
-    }
-    pools.emplace(dev, pool);
-    return pool;
-}
-
-void* pool_alloc(size_t n, int dev, cudaStream_t stream) {
-    void* p = nullptr;
-    ELASTICEP_CUDA_CALL(cudaMallocFromPoolAsync(&p, std::max<size_t>(n, 256), device_pool(dev), stream));
-    return p;
-}
 
 // Host-mapped records, recycled and never freed: cudaFreeHost waits for the whole device.
 class HostRecordPool {
@@ -193,40 +160,12 @@ class SlowCallWatch {
     std::chrono::steady_clock::time_point t0_;
 };
 
-struct DevStorage {
-    void* ptr = nullptr;
-    size_t bytes = 0;
-    std::vector<void*>* graveyard = nullptr;
-    // Grows only, stream-ordered from the device pool; the old block is freed with the buffer.
-    void reserve(size_t n, int dev, cudaStream_t stream) {
-        n = std::max<size_t>(n, 256);
-        if (n <= bytes) return;
-        void* p = pool_alloc(n, dev, stream);
-        if (ptr) graveyard->push_back(ptr);
-        ptr = p;
-        bytes = n;
-    }
-};
-
-struct Hello {
-    int64_t pid;
-    int32_t device;
-    int32_t pad;
-    char uuid[16];
-    uint64_t region;
-    cudaIpcMemHandle_t ipc;
-};
-
-constexpr int kMaxRanks = 64;
-
 class CudaBackend final : public BackendBuffer {
    public:
     explicit CudaBackend(const BackendContext& ctx)
         : cfg_(ctx.config), rank_(ctx.rank), num_ranks_(ctx.num_ranks), e_local_(cfg_.num_experts / ctx.num_ranks) {
-        ELASTICEP_CHECK(e_local_ <= 1024, ErrorCode::kUnsupported, "the CUDA backend supports at most 1024 local "
-                        "experts per rank; this config has ", e_local_);
-        ELASTICEP_CHECK(num_ranks_ <= kMaxRanks, ErrorCode::kUnsupported, "the CUDA direct topology supports at most ",
-                        kMaxRanks, " ranks; this group has ", num_ranks_, " (use topology=hybrid)");
+        ELASTICEP_CHECK(e_local_ <= kMaxLocalExperts, ErrorCode::kUnsupported, "the CUDA backend supports at most ",
+                        "kMaxLocalExperts=", kMaxLocalExperts, " local experts per rank; this config has ", e_local_);
         if (cfg_.device >= 0) {
             dev_ = cfg_.device;
         } else {
@@ -260,78 +199,17 @@ class CudaBackend final : public BackendBuffer {
         rec_ = HostRecordPool::acquire();
         ELASTICEP_CUDA_CALL(cudaHostGetDevicePointer(reinterpret_cast<void**>(&rec_dev_), rec_, 0));
 
-        // who is where: ranks of this process take the receive region from the stream-ordered pool;
-        // a group that spans processes needs memory that CUDA IPC can export (cudaMalloc)
-        struct Where {
-            int64_t pid;
-            int32_t device;
-            int32_t pad;
-            char uuid[16];
-        };
-        Where me{};
-        me.pid = static_cast<int64_t>(::getpid());
-        me.device = dev_;
-        std::memcpy(me.uuid, &prop.uuid, 16);
-        const auto where = ctx.group->all_gather_value(me);
-        bool one_process = true;
-        ranks_on_gpu_ = 0;
-        for (const Where& w : where) {
-            const bool same_gpu = std::memcmp(w.uuid, me.uuid, 16) == 0;
-            ranks_on_gpu_ += same_gpu;
-            remote_gpu_ = remote_gpu_ || !same_gpu;
-            one_process = one_process && w.pid == me.pid;
-        }
-        region_in_pool_ = one_process;
+        // who is where, then the symmetric receive region of every rank (src/transport)
+        where_ = transport::Placement::gather(*ctx.group, rank_, dev_);
+        ranks_on_gpu_ = where_.ranks_on_my_gpu;
+        remote_gpu_ = where_.remote_gpu;
         // the same decision on every rank: does any GPU hold two ranks of one process?
-        for (size_t i = 0; i < where.size(); ++i)
-            for (size_t j = i + 1; j < where.size(); ++j)
-                host_waits_ = host_waits_ || (where[i].pid == where[j].pid && std::memcmp(where[i].uuid, where[j].uuid, 16) == 0);
+        host_waits_ = where_.shared_gpu_in_process;
         if (const char* v = std::getenv("ELASTICEP_SHARED_GPU_DEVICE_WAITS"); v && std::string(v) == "1") host_waits_ = false;
-        if (region_in_pool_) {
-            region_ptr_ = pool_alloc(static_cast<size_t>(region_.bytes), dev_, own_stream_);
-        } else {
-            ELASTICEP_CUDA_CALL(cudaMalloc(&region_ptr_, static_cast<size_t>(region_.bytes)));
-        }
-        ELASTICEP_CUDA_CALL(cudaMemsetAsync(region_ptr_, 0, static_cast<size_t>(region_.bytes), own_stream_));
-        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
-
-        // exchange region addresses (and IPC handles across processes)
-        Hello hello{};
-        hello.pid = me.pid;
-        hello.device = dev_;
-        std::memcpy(hello.uuid, me.uuid, 16);
-        hello.region = reinterpret_cast<uint64_t>(region_ptr_);
-        if (!region_in_pool_) ELASTICEP_CUDA_CALL(cudaIpcGetMemHandle(&hello.ipc, region_ptr_));
-        const auto all = ctx.group->all_gather_value(hello);
-        std::vector<uint8_t*> peers(static_cast<size_t>(num_ranks_));
-        for (int p = 0; p < num_ranks_; ++p) {
-            const Hello& h = all[static_cast<size_t>(p)];
-            if (h.pid == me.pid) {
-                peers[static_cast<size_t>(p)] = reinterpret_cast<uint8_t*>(h.region);
-                if (h.device != dev_) {
-                    int can = 0;
-                    ELASTICEP_CUDA_CALL(cudaDeviceCanAccessPeer(&can, dev_, h.device));
-                    ELASTICEP_CHECK(can, ErrorCode::kUnsupported, "rank ", rank_, " on GPU ", dev_, " cannot access GPU ",
-                                    h.device, " of rank ", p, " (no peer access); the direct topology needs NVLink "
-                                    "or PCIe peer access between all ranks' GPUs");
-                    if (!region_in_pool_) {  // pool memory is reachable through the pool's access list
-                        const cudaError_t e = cudaDeviceEnablePeerAccess(h.device, 0);
-                        if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
-                        else ELASTICEP_CUDA_CALL(e);
-                    }
-                }
-            } else {
-                void* mapped = nullptr;
-                ELASTICEP_CUDA_CALL(cudaIpcOpenMemHandle(&mapped, h.ipc, cudaIpcMemLazyEnablePeerAccess));
-                opened_.push_back(mapped);
-                peers[static_cast<size_t>(p)] = static_cast<uint8_t*>(mapped);
-            }
-        }
+        region_mem_ = std::make_unique<transport::SymmetricMemory>(*ctx.group, where_, static_cast<size_t>(region_.bytes),
+                                                                   own_stream_);
         ws_ = carve();
-        peers_host_ = peers;
         ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.bad_key, 0xff, 8, own_stream_));
-        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(ws_.peers, peers.data(), peers.size() * sizeof(uint8_t*),
-                                            cudaMemcpyHostToDevice, own_stream_));
         ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
 
         // SM count: explicit, or a bandwidth model of the link
@@ -339,7 +217,6 @@ class CudaBackend final : public BackendBuffer {
         else if (ranks_on_gpu_ > 1) num_sms_ = std::max(1, device_sms_ / ranks_on_gpu_);  // HBM shared by R ranks
         else if (remote_gpu_) num_sms_ = std::min(24, device_sms_);  // NVLink: ~24 SMs saturate the link
         else num_sms_ = device_sms_;
-        for (DevStorage* s : {&x_st_, &sc_st_, &w_st_, &src_st_, &mi_st_}) s->graveyard = &graveyard_;
     }
 
     ~CudaBackend() override {
@@ -350,16 +227,13 @@ class CudaBackend final : public BackendBuffer {
         if (has_event_) cudaEventSynchronize(last_event_);
         // after a timeout a late peer may still write into this rank's region: keep it (leaked)
         const bool timed_out = rec_ && rec_->timeout_phase != kernels::kPhaseNone;
-        for (void* p : opened_) cudaIpcCloseMemHandle(p);
+        if (region_mem_ && timed_out) region_mem_->keep_local_window();
+        region_mem_.reset();
         for (void* p : graveyard_) cudaFreeAsync(p, own_stream_);
-        for (DevStorage* s : {&x_st_, &sc_st_, &w_st_, &src_st_, &mi_st_})
+        for (GrowingBlock* s : {&x_st_, &sc_st_, &w_st_, &src_st_, &mi_st_})
             if (s->ptr) cudaFreeAsync(s->ptr, own_stream_);
         if (out_ptr_) cudaFreeAsync(out_ptr_, own_stream_);
         if (ws_ptr_) cudaFreeAsync(ws_ptr_, own_stream_);
-        if (region_ptr_ && !timed_out) {
-            if (region_in_pool_) cudaFreeAsync(region_ptr_, own_stream_);
-            else cudaFree(region_ptr_);  // IPC-exported; other processes' ranks do not wait for this one
-        }
         if (rec_) HostRecordPool::release(rec_);
         cudaEventDestroy(last_event_);
         cudaStreamDestroy(own_stream_);
@@ -436,7 +310,7 @@ class CudaBackend final : public BackendBuffer {
 
         // outputs: caller-provided (fixed worst-case shape) or buffer-owned (sized for the worst case)
         const auto cap_specs = dispatch_output_specs(cfg_, num_ranks_, a.layout, req.rows_cap, a.scales_mn_major);
-        auto ptr_of = [&](const std::optional<TensorRef>& given, const OutputSpec& cap, DevStorage& st) -> void* {
+        auto ptr_of = [&](const std::optional<TensorRef>& given, const OutputSpec& cap, GrowingBlock& st) -> void* {
             if (given) {
                 ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(given->data) % 16 == 0,
                                     "caller-provided dispatch output at ", given->data,
@@ -449,7 +323,7 @@ class CudaBackend final : public BackendBuffer {
                                     ", expert_alignment ", a.expert_alignment, ") allocates the buffer-owned "
                                     "outputs and cannot be captured; run it once before capturing the graph");
                 SlowCallWatch watch("allocating buffer-owned dispatch outputs", rank_);
-                st.reserve(need, dev_, stream);
+                st.reserve(need, dev_, stream, graveyard_);
             }
             return st.ptr;
         };
@@ -553,9 +427,9 @@ class CudaBackend final : public BackendBuffer {
 
    private:
     void fill_common(kernels::CallParams& p, int64_t num_tokens) const {
+        p.team = transport::NvlinkTeam{region_mem_->nvlink_windows()};
         p.sh = shape();
         p.ws = ws_;
-        p.my_region = static_cast<uint8_t*>(region_ptr_);
         p.rec = rec_dev_;
         p.timeout_ns = static_cast<uint64_t>(cfg_.timeout.count()) * 1000000ull;
         p.sync_mode = kernels::kDevice;
@@ -588,13 +462,12 @@ class CudaBackend final : public BackendBuffer {
         w.bad_key = reinterpret_cast<unsigned long long*>(b + wl_.bad_key);
         w.epoch = reinterpret_cast<uint64_t*>(b + wl_.epoch);
         w.state = reinterpret_cast<int32_t*>(b + wl_.state);
-        w.recv_count = reinterpret_cast<int32_t*>(b + wl_.recv_count);
+        w.msg_start = reinterpret_cast<int32_t*>(b + wl_.msg_start);
         w.base = reinterpret_cast<int32_t*>(b + wl_.base);
         w.counts = reinterpret_cast<int32_t*>(b + wl_.counts);
         w.start = reinterpret_cast<int32_t*>(b + wl_.start);
         w.recv_rows = reinterpret_cast<int32_t*>(b + wl_.recv_rows);
         w.load = reinterpret_cast<int64_t*>(b + wl_.load);
-        w.peers = reinterpret_cast<uint8_t**>(b + wl_.peers);
         return w;
     }
 
@@ -634,10 +507,7 @@ class CudaBackend final : public BackendBuffer {
     void raise_timeout() {
         const volatile HostRecord* r = rec_;
         if (r->timeout_phase == kernels::kPhaseNone) return;
-        const uint64_t mask = r->timeout_missing;
-        MissingPeers missing = scan_missing([&](int q) { return q < 64 && (mask >> q) & 1 ? uint64_t{0} : ~uint64_t{0}; },
-                                            num_ranks_, ~uint64_t{0});
-        missing.observed = r->timeout_observed;
+        const MissingPeers missing = const_cast<const MissingPeers&>(r->timeout_missing);
         raise(ErrorCode::kTimeout, timeout_message(r->timeout_phase, rank_, cfg_.timeout.count(), missing,
                                                    r->timeout_expected) + ". " + diagnose());
     }
@@ -655,7 +525,7 @@ class CudaBackend final : public BackendBuffer {
         if (phase == kernels::kPhaseCombine && aborted) return;  // the dispatch timed out: nothing was published
         const uint64_t epoch = phase == kernels::kPhaseDispatch ? dev_epoch + 1 : dev_epoch;
         const size_t r = static_cast<size_t>(num_ranks_);
-        auto* base = static_cast<uint8_t*>(region_ptr_);
+        const uint8_t* base = region_mem_->local();
         std::vector<kernels::DispFlag> disp(phase == kernels::kPhaseDispatch ? 2 * r : 0);
         std::vector<uint64_t> comb(phase == kernels::kPhaseCombine ? r : 0);
         const auto start = std::chrono::steady_clock::now();
@@ -667,23 +537,18 @@ class CudaBackend final : public BackendBuffer {
                 ELASTICEP_CUDA_CALL(cudaMemcpyAsync(comb.data(), base + region_.comb_flags, r * 8, cudaMemcpyDeviceToHost,
                                                     own_stream_));
             ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
-            uint64_t missing = 0, observed = epoch;
-            int first = -1;
-            for (size_t q = 0; q < r; ++q) {
-                const uint64_t seen = phase == kernels::kPhaseDispatch ? disp[2 * q + (epoch & 1)].epoch : comb[q];
-                if (seen >= epoch) continue;
-                if (first < 0) first = static_cast<int>(q);
-                if (q < 64) missing |= uint64_t{1} << q;
-                observed = std::min(observed, seen);
-            }
-            if (first < 0) return;
+            const MissingPeers missing = scan_missing(
+                [&](int q) {
+                    const size_t i = static_cast<size_t>(q);
+                    return phase == kernels::kPhaseDispatch ? disp[2 * i + (epoch & 1)].epoch : comb[i];
+                },
+                num_ranks_, epoch);
+            if (missing.count == 0) return;
             if (std::chrono::steady_clock::now() - start > cfg_.timeout) {
-                volatile HostRecord* rec = rec_;
-                rec->timeout_peer = first;
+                HostRecord* rec = rec_;
                 rec->timeout_missing = missing;
                 rec->timeout_expected = epoch;
-                rec->timeout_observed = observed;
-                rec->timeout_phase = phase;
+                *reinterpret_cast<volatile int32_t*>(&rec->timeout_phase) = phase;
                 raise_timeout();
             }
             if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -698,8 +563,10 @@ class CudaBackend final : public BackendBuffer {
         std::vector<uint8_t*> table(r);
         std::vector<kernels::DispFlag> disp(2 * r);
         std::vector<uint64_t> comb(r);
-        auto* base = static_cast<uint8_t*>(region_ptr_);
-        if (cudaMemcpy(table.data(), ws_.peers, r * sizeof(uint8_t*), cudaMemcpyDeviceToHost) != cudaSuccess ||
+        const uint8_t* base = region_mem_->local();
+        const std::vector<uint8_t*>& windows = region_mem_->windows();
+        if (cudaMemcpy(table.data(), region_mem_->device_windows(), r * sizeof(uint8_t*), cudaMemcpyDeviceToHost) !=
+                cudaSuccess ||
             cudaMemcpy(disp.data(), base + region_.disp_flags, disp.size() * sizeof(kernels::DispFlag),
                        cudaMemcpyDeviceToHost) != cudaSuccess ||
             cudaMemcpy(comb.data(), base + region_.comb_flags, r * 8, cudaMemcpyDeviceToHost) != cudaSuccess) {
@@ -709,9 +576,9 @@ class CudaBackend final : public BackendBuffer {
         std::string out = "Diagnosis: peer table ";
         bool intact = true;
         for (size_t p = 0; p < r; ++p)
-            if (table[p] != peers_host_[p]) {
+            if (table[p] != windows[p]) {
                 out += cat(intact ? "CORRUPT: " : ", ", "entry ", p, " is ", static_cast<void*>(table[p]), " not ",
-                           static_cast<void*>(peers_host_[p]));
+                           static_cast<void*>(windows[p]));
                 intact = false;
             }
         if (intact) out += "intact";
@@ -726,9 +593,9 @@ class CudaBackend final : public BackendBuffer {
     int rank_, num_ranks_, e_local_;
     int dev_ = 0, device_sms_ = 0, num_sms_ = 1, ranks_on_gpu_ = 1;
     bool remote_gpu_ = false;
-    bool region_in_pool_ = false;          // every rank is in this process: region from the device pool
-    bool host_waits_ = false;              // some GPU holds two ranks of one process: kernels::SyncMode
-    std::vector<uint8_t*> peers_host_;  // region of every rank as this rank addresses it
+    bool host_waits_ = false;  // some GPU holds two ranks of one process: kernels::SyncMode
+    transport::Placement where_;
+    std::unique_ptr<transport::SymmetricMemory> region_mem_;
     MessageLayout msg_;
     RegionLayout region_;
     WorkspaceLayout wl_;
@@ -736,14 +603,12 @@ class CudaBackend final : public BackendBuffer {
     cudaStream_t own_stream_ = nullptr;
     cudaEvent_t last_event_ = nullptr;
     bool has_event_ = false;
-    void* region_ptr_ = nullptr;
     void* ws_ptr_ = nullptr;
     void* out_ptr_ = nullptr;
     HostRecord* rec_ = nullptr;
     HostRecord* rec_dev_ = nullptr;
-    std::vector<void*> opened_;
     std::vector<void*> graveyard_;
-    DevStorage x_st_, sc_st_, w_st_, src_st_, mi_st_;
+    GrowingBlock x_st_, sc_st_, w_st_, src_st_, mi_st_;
 };
 
 }  // namespace

@@ -11,8 +11,8 @@
 
 namespace elasticep::kernels {
 
-__device__ __forceinline__ uint64_t* comb_flag(uint8_t* region, const Shape& sh, int holder) {
-    return reinterpret_cast<uint64_t*>(region + sh.region.comb_flags) + holder;
+__device__ __forceinline__ int64_t comb_flag_offset(const Shape& sh, int holder) {
+    return sh.region.comb_flags + int64_t{holder} * static_cast<int64_t>(sizeof(uint64_t));
 }
 
 // Sums in registers: acc[i] = fmaf(w, y[i], acc[i]) over the 8 bf16 channels of one 16-byte chunk.
@@ -41,18 +41,18 @@ constexpr int kBatch = 4;
 __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams p) {
     const Shape& sh = p.sh;
     if (p.ws.state[0] != 0) return;
-    __shared__ int64_t route_rows[kWarps][32];
-    __shared__ float route_w[kWarps][32];
-    __shared__ int32_t msg_start[kMaxRanksDevice + 1];
+    __shared__ int64_t route_rows[kWarps][kMaxTopk];
+    __shared__ float route_w[kWarps][kMaxTopk];
+    __shared__ int32_t msg_start[kMaxRanks + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int warps_total = gridDim.x * kWarps;
     const MessageLayout& m = sh.msg;
-    const uint8_t* slots = p.my_region + sh.region.disp_slots;
+    const uint8_t* slots = p.team.self() + sh.region.disp_slots;
     const int chunks = sh.hidden / 8;
     int64_t* rows = route_rows[warp];
     float* ws = route_w[warp];
     // work items: RowSlice over the received messages
-    const int num_msgs = fill_message_starts(msg_start, sh, p.ws.recv_count);
+    const int num_msgs = load_message_starts(msg_start, sh, p.ws.msg_start);
     const int iters = (chunks + 63) / 64;
     const int slices = row_slices(num_msgs, iters, warps_total);
     const int64_t items = int64_t{num_msgs} * slices;
@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams p) {
             ws[at] = w;
         }
         __syncwarp();
-        uint16_t* dst = reinterpret_cast<uint16_t*>(p.ws.peers[s] + sh.region.comb_slots) +
+        uint16_t* dst = reinterpret_cast<uint16_t*>(p.team.window(s) + sh.region.comb_slots) +
                         (int64_t{sh.rank} * sh.capacity + t) * sh.hidden;
         for (int base = it0 * 64; base < min(chunks, it1 * 64); base += 64) {
             const int c0 = base + lane, c1 = c0 + 32;
@@ -114,16 +114,20 @@ __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams p) {
 
 __global__ void publish_kernel(CombineParams p) {
     const Shape& sh = p.sh;
-    if (threadIdx.x != 0 || p.ws.state[0] != 0) return;
+    const transport::NvlinkTeam& team = p.team;
+    if (p.ws.state[0] != 0) return;
     const uint64_t epoch = *p.ws.epoch;
     if (p.sync_mode != kWaitOnly) {
-        __threadfence_system();
-        for (int s = 0; s < sh.num_ranks; ++s) st_release_sys(comb_flag(p.ws.peers[s], sh, sh.rank), epoch);
+        // every lane signals its share of the origins, after the partial kernel's writes
+        team.fence();
+        for (int s = threadIdx.x; s < sh.num_ranks; s += blockDim.x)
+            team.signal(s, comb_flag_offset(sh, team.rank()), epoch);
         if (p.sync_mode == kPublishOnly) return;  // the host waits, then launches the kWaitOnly half
     }
-    const bool ok = wait_peers([&](int d) { return comb_flag(p.my_region, sh, d); }, sh.num_ranks, epoch, p.timeout_ns,
-                               kPhaseCombine, p.rec);
-    if (!ok) p.ws.state[0] = 1;
+    if (threadIdx.x != 0) return;
+    const WaitStatus st = wait_all(team, [&](int d) { return comb_flag_offset(sh, d); }, epoch,
+                                   Deadline::from_now(p.timeout_ns), kPhaseCombine, p.rec);
+    if (st != WaitStatus::kOk) p.ws.state[0] = 1;
 }
 
 __device__ __forceinline__ void add_chunk(float (&acc)[8], const uint4& v) {
@@ -147,11 +151,11 @@ __device__ __forceinline__ void load_chunk(float (&acc)[8], const uint4& v) {
 __global__ void __launch_bounds__(kThreads, 2) reduce_kernel(CombineParams p) {
     const Shape& sh = p.sh;
     if (p.ws.state[0] != 0) return;
-    __shared__ int32_t dest_list[kWarps][32];
+    __shared__ int32_t dest_list[kWarps][kMaxTopk];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int warps_total = gridDim.x * kWarps;
     const int chunks = sh.hidden / 8;
-    const uint16_t* slots = reinterpret_cast<const uint16_t*>(p.my_region + sh.region.comb_slots);
+    const uint16_t* slots = reinterpret_cast<const uint16_t*>(p.team.self() + sh.region.comb_slots);
     int32_t* dl = dest_list[warp];
     // work items: RowSlice over this rank's tokens
     const int iters = (chunks + 63) / 64;

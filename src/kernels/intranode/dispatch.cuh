@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "core/limits.hpp"
 #include "core/numerics.hpp"
 #include "kernels/intranode/params.cuh"
 
@@ -92,7 +93,7 @@ __global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams p) {
             const int pos = block_scan(hit_k >= 0, running);
             if (hit_k >= 0) {
                 if (by_expert) p.ws.pos_in_expert[t * sh.num_topk + hit_k] = pos;
-                else p.ws.slot_of[t * sh.num_ranks + d] = pos;
+                else p.ws.slot_of[t * sh.num_topk + hit_k] = pos;
             }
         }
         if (threadIdx.x == 0) {
@@ -199,15 +200,16 @@ __device__ __forceinline__ RowSlice row_slice(int64_t item, int slices, int step
     return {static_cast<int>(item / slices), sl * steps / slices, (sl + 1) * steps / slices, sl == 0};
 }
 
-constexpr int kMaxRanksDevice = 64;
-
 __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
     const Shape& sh = p.sh;
     // host-sync call rejected (this call's invalid route, or a sticky fault): nothing is sent; the
     // exchange derives the same decision from the same words
     __shared__ bool reject;
-    // per warp: the token's destination messages, in destination order
-    __shared__ uint8_t* dst_msg[kWarps][kMaxRanksDevice];
+    // per warp: the token's destinations in first-k order (at most K): their message and route-position
+    // row in the destination's window, and the destination rank
+    __shared__ uint8_t* dst_msg[kWarps][kMaxTopk];
+    __shared__ int32_t* dst_route_pos[kWarps][kMaxTopk];
+    __shared__ int32_t dst_rank[kWarps][kMaxTopk];
     if (threadIdx.x == 0)
         reject = p.host_sync && (*p.ws.bad_key != ~0ull || p.ws.state[3] != 0);
     __syncthreads();
@@ -217,6 +219,8 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
     const MessageLayout& m = sh.msg;
     const int64_t slot_base = int64_t{sh.rank} * sh.capacity;
     uint8_t** msgs = dst_msg[warp];
+    int32_t** route_pos_rows = dst_route_pos[warp];
+    int32_t* dests = dst_rank[warp];
     // work items: RowSlice over this rank's tokens
     const bool fused = p.fp8 && !p.prequantized;
     const int chunks = p.fp8 ? sh.hidden / 16 : sh.hidden / 8;  // 16-byte chunks moved as is
@@ -233,33 +237,33 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
         const int32_t clean = clean_route(v, active, sh.num_experts, kind, dup);
         const int dest = clean >= 0 ? clean / sh.e_local : -1;
         if (active && first) p.ws.clean_idx[t * sh.num_topk + lane] = clean;
-        unsigned long long mask = dest >= 0 ? (1ull << dest) : 0ull;
-        for (int o = 16; o > 0; o >>= 1) mask |= __shfl_xor_sync(0xffffffffu, mask, o);
-        if (mask == 0) continue;
-        const int num_dst = __popcll(mask);
-        // lane i resolves the i-th destination's message address once per token
-        for (int i = lane; i < num_dst; i += 32) {
-            unsigned long long mm = mask;
-            for (int j = 0; j < i; ++j) mm &= mm - 1;
-            const int d = __ffsll(static_cast<long long>(mm)) - 1;
-            const int64_t slot = slot_base + p.ws.slot_of[t * sh.num_ranks + d];
-            msgs[i] = p.ws.peers[d] + sh.region.disp_slots + slot * m.bytes;
+        // the token's distinct destinations in first-k order: lane k leads destination d when no lower
+        // lane routes to d (the plan kernel stored the token's slot at d under that same k)
+        const unsigned same_dest =
+            __match_any_sync(0xffffffffu, dest >= 0 ? static_cast<unsigned>(dest) : 0x80000000u | static_cast<unsigned>(lane));
+        const bool leads = dest >= 0 && (__ffs(same_dest) - 1) == lane;
+        const unsigned leaders = __ballot_sync(0xffffffffu, leads);
+        if (leaders == 0) continue;
+        const int num_dst = __popc(leaders);
+        if (leads) {  // (the previous token's lists were read before the loop's closing __syncwarp)
+            const int i = __popc(leaders & ((1u << lane) - 1u));
+            const int64_t slot = slot_base + p.ws.slot_of[t * sh.num_topk + lane];
+            uint8_t* window = p.team.window(dest);
+            msgs[i] = window + sh.region.disp_slots + slot * m.bytes;
+            route_pos_rows[i] = reinterpret_cast<int32_t*>(window + sh.region.route_pos) + slot * sh.num_topk;
+            dests[i] = dest;
         }
         __syncwarp();
         const float w = (active && p.weights) ? p.weights[t * p.w_stride + lane] : 0.0f;
         const int pos = clean >= 0 ? p.ws.pos_in_expert[t * sh.num_topk + lane] : -1;
         // metadata (the first slice)
         if (first) {
-            int i = 0;
-            for (unsigned long long mm = mask; mm; mm &= mm - 1, ++i) {
-                const int d = __ffsll(static_cast<long long>(mm)) - 1;
+            for (int i = 0; i < num_dst; ++i) {
                 uint8_t* msg = msgs[i];
                 if (active) {
                     reinterpret_cast<int32_t*>(msg + m.idx_offset)[lane] = clean;
                     reinterpret_cast<float*>(msg + m.weight_offset)[lane] = w;
-                    const int64_t slot = (msg - (p.ws.peers[d] + sh.region.disp_slots)) / m.bytes;
-                    reinterpret_cast<int32_t*>(p.ws.peers[d] + sh.region.route_pos)[slot * sh.num_topk + lane] =
-                        dest == d ? pos : -1;
+                    route_pos_rows[i][lane] = dest == dests[i] ? pos : -1;
                 }
                 if (lane == 0) *reinterpret_cast<int32_t*>(msg + m.src_offset) = t;
             }
@@ -355,60 +359,70 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
     if (threadIdx.x == 0) __threadfence_system();
 }
 
+__device__ __forceinline__ int64_t disp_flag_offset(const Shape& sh, int sender, int parity) {
+    return sh.region.disp_flags + (int64_t{sender} * 2 + parity) * static_cast<int64_t>(sizeof(DispFlag));
+}
+// the epoch word of that flag (its first member)
+__device__ __forceinline__ int64_t disp_epoch_offset(const Shape& sh, int sender, int parity) {
+    static_assert(offsetof(DispFlag, epoch) == 0, "the epoch is the flag's first word");
+    return disp_flag_offset(sh, sender, parity);
+}
 __device__ __forceinline__ DispFlag* disp_flag(uint8_t* region, const Shape& sh, int sender, int parity) {
-    return reinterpret_cast<DispFlag*>(region + sh.region.disp_flags) + sender * 2 + parity;
+    return reinterpret_cast<DispFlag*>(region + disp_flag_offset(sh, sender, parity));
 }
 __device__ __forceinline__ int32_t* disp_ecounts(uint8_t* region, const Shape& sh, int sender, int parity) {
-    return reinterpret_cast<int32_t*>(region + sh.region.disp_ecounts) + (sender * 2 + parity) * sh.e_local;
+    return reinterpret_cast<int32_t*>(region + sh.region.disp_ecounts) + (int64_t{sender} * 2 + parity) * sh.e_local;
 }
 
 __global__ void __launch_bounds__(256) exchange_kernel(DispatchParams p) {
     const Shape& sh = p.sh;
+    static_assert(kMaxLocalExperts <= 1024, "segment sizes are scanned in one block's shared memory");
     __shared__ bool ok;
-    __shared__ RouteStatus st_shared;
     const uint64_t epoch = *p.ws.epoch + 1;
     const int parity = static_cast<int>(epoch & 1);
+    const transport::NvlinkTeam& team = p.team;
+    uint8_t* my_region = team.self();
     if (p.sync_mode != kWaitOnly) {
-        if (threadIdx.x == 0) {
-            st_shared = resolve_status(p);
-            *p.ws.status = st_shared;
-        }
+        if (threadIdx.x == 0) *p.ws.status = resolve_status(p);
         __syncthreads();
-        const RouteStatus st = st_shared;
+        const RouteStatus st = *p.ws.status;
         const bool reject = st.kind != 0;
         for (int i = threadIdx.x; i < sh.num_ranks; i += blockDim.x) {
-            DispFlag* f = disp_flag(p.ws.peers[i], sh, sh.rank, parity);
+            DispFlag* f = disp_flag(team.window(i), sh, team.rank(), parity);
             f->count = reject ? 0 : p.ws.dest_count[i];
             f->status = st;
         }
         for (int i = threadIdx.x; i < sh.num_ranks * sh.e_local; i += blockDim.x) {
             const int d = i / sh.e_local, l = i % sh.e_local;
-            disp_ecounts(p.ws.peers[d], sh, sh.rank, parity)[l] = reject ? 0 : p.ws.expert_count[d * sh.e_local + l];
+            disp_ecounts(team.window(d), sh, team.rank(), parity)[l] = reject ? 0 : p.ws.expert_count[d * sh.e_local + l];
         }
-        __threadfence_system();
+        team.fence();
         __syncthreads();
-        if (threadIdx.x == 0)
-            for (int d = 0; d < sh.num_ranks; ++d)
-                st_release_sys(&disp_flag(p.ws.peers[d], sh, sh.rank, parity)->epoch, epoch);
+        // every thread signals its share of the receivers; each signal releases the block's writes
+        // above (fenced, then observed through the barrier)
+        for (int d = threadIdx.x; d < sh.num_ranks; d += blockDim.x)
+            team.signal(d, disp_epoch_offset(sh, team.rank(), parity), epoch);
         if (p.sync_mode == kPublishOnly) return;  // the host waits, then launches the kWaitOnly half
     }
     if (threadIdx.x == 0) {
         // with kWaitOnly the host has already seen every flag: this returns at once
-        ok = wait_peers([&](int s) { return &disp_flag(p.my_region, sh, s, parity)->epoch; }, sh.num_ranks, epoch,
-                        p.timeout_ns, kPhaseDispatch, p.rec);
+        ok = wait_all(team, [&](int s) { return disp_epoch_offset(sh, s, parity); }, epoch,
+                      Deadline::from_now(p.timeout_ns), kPhaseDispatch, p.rec) == WaitStatus::kOk;
         *p.ws.epoch = epoch;
         p.ws.state[0] = ok ? 0 : 1;
     }
     __syncthreads();
     if (!ok) return;
+    // received messages per sender, as an exclusive scan (the expand and partial kernels' work list)
+    __shared__ int32_t recv_count[kMaxRanks];
     for (int s = threadIdx.x; s < sh.num_ranks; s += blockDim.x)
-        p.ws.recv_count[s] = static_cast<int32_t>(reinterpret_cast<volatile int64_t*>(&disp_flag(p.my_region, sh, s, parity)->count)[0]);
-    __shared__ int32_t seg[1024];  // rounded segment sizes (e_local <= 1024 is checked on the host)
+        recv_count[s] = static_cast<int32_t>(reinterpret_cast<volatile int64_t*>(&disp_flag(my_region, sh, s, parity)->count)[0]);
+    __shared__ int32_t seg[kMaxLocalExperts];  // rounded segment sizes
     for (int l = threadIdx.x; l < sh.e_local; l += blockDim.x) {
         int32_t total = 0;
         for (int s = 0; s < sh.num_ranks; ++s) {
             p.ws.base[s * sh.e_local + l] = total;
-            total += reinterpret_cast<volatile int32_t*>(disp_ecounts(p.my_region, sh, s, parity))[l];
+            total += reinterpret_cast<volatile int32_t*>(disp_ecounts(my_region, sh, s, parity))[l];
         }
         p.ws.counts[l] = total;
         p.ws.load[l] += total;
@@ -416,6 +430,12 @@ __global__ void __launch_bounds__(256) exchange_kernel(DispatchParams p) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+        int32_t received = 0;
+        for (int s = 0; s < sh.num_ranks; ++s) {
+            p.ws.msg_start[s] = received;
+            received += recv_count[s];
+        }
+        p.ws.msg_start[sh.num_ranks] = received;
         int32_t at = 0;
         p.ws.start[0] = 0;
         for (int l = 0; l < sh.e_local; ++l) {
@@ -424,7 +444,7 @@ __global__ void __launch_bounds__(256) exchange_kernel(DispatchParams p) {
         }
         int bad_sender = -1;
         for (int s = 0; s < sh.num_ranks && bad_sender < 0; ++s)
-            if (reinterpret_cast<volatile int32_t*>(&disp_flag(p.my_region, sh, s, parity)->status.kind)[0] != 0)
+            if (reinterpret_cast<volatile int32_t*>(&disp_flag(my_region, sh, s, parity)->status.kind)[0] != 0)
                 bad_sender = s;
         p.ws.state[1] = bad_sender >= 0 ? 1 : 0;
         p.ws.state[2] = at;
@@ -432,7 +452,7 @@ __global__ void __launch_bounds__(256) exchange_kernel(DispatchParams p) {
         r->num_rows = at;
         r->bad_sender = bad_sender;
         if (bad_sender >= 0) {
-            const RouteStatus b = disp_flag(p.my_region, sh, bad_sender, parity)->status;
+            const RouteStatus b = disp_flag(my_region, sh, bad_sender, parity)->status;
             r->bad.kind = b.kind;
             r->bad.token = b.token;
             r->bad.k = b.k;
@@ -445,41 +465,41 @@ __global__ void __launch_bounds__(256) exchange_kernel(DispatchParams p) {
 }
 
 // The received messages of this rank, in (sender, slot) order: message i is slot i - start[s] of
-// sender s, where start[s] <= i < start[s + 1]. One thread of each block fills `start`.
-__device__ __forceinline__ int fill_message_starts(int32_t* start, const Shape& sh, const int32_t* recv_count) {
-    if (threadIdx.x == 0) {
-        int32_t at = 0;
-        for (int s = 0; s < sh.num_ranks; ++s) {
-            start[s] = at;
-            at += recv_count[s];
-        }
-        start[sh.num_ranks] = at;
-    }
+// sender s, where start[s] <= i < start[s + 1]. Each block copies the exchange's scan into shared
+// memory (`start`, R + 1 entries) and returns the number of messages.
+__device__ __forceinline__ int load_message_starts(int32_t* start, const Shape& sh, const int32_t* msg_start) {
+    for (int s = threadIdx.x; s <= sh.num_ranks; s += blockDim.x) start[s] = msg_start[s];
     __syncthreads();
     return start[sh.num_ranks];
 }
 
+// The sender of message i: the largest s with start[s] <= i (senders with no messages repeat their
+// successor's start, so the largest such s is the one whose range holds i).
 __device__ __forceinline__ int64_t message_slot(const int32_t* start, const Shape& sh, int i, int& sender) {
-    int s = 0;
-    while (start[s + 1] <= i) ++s;
-    sender = s;
-    return int64_t{s} * sh.capacity + (i - start[s]);
+    int lo = 0, hi = sh.num_ranks;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (start[mid] <= i) lo = mid;
+        else hi = mid;
+    }
+    sender = lo;
+    return int64_t{lo} * sh.capacity + (i - start[lo]);
 }
 
 __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
     const Shape& sh = p.sh;
-    __shared__ int64_t expand_rows[kWarps][32];
-    __shared__ int32_t msg_start[kMaxRanksDevice + 1];
+    __shared__ int64_t expand_rows[kWarps][kMaxTopk];
+    __shared__ int32_t msg_start[kMaxRanks + 1];
     if (p.ws.state[0] != 0 || p.ws.state[1] != 0) return;
     const int lane = threadIdx.x & 31;
     const int warps_total = gridDim.x * kWarps;
     const MessageLayout& m = sh.msg;
     const int64_t rc = int64_t{sh.num_ranks} * sh.capacity;
     const int row_bytes = sh.hidden * (p.fp8 ? 1 : 2);
-    const uint8_t* slots = p.my_region + sh.region.disp_slots;
-    const int32_t* route_pos = reinterpret_cast<const int32_t*>(p.my_region + sh.region.route_pos);
+    const uint8_t* slots = p.team.self() + sh.region.disp_slots;
+    const int32_t* route_pos = reinterpret_cast<const int32_t*>(p.team.self() + sh.region.route_pos);
     // work items: RowSlice over the received messages
-    const int num_msgs = fill_message_starts(msg_start, sh, p.ws.recv_count);
+    const int num_msgs = load_message_starts(msg_start, sh, p.ws.msg_start);
     const int row_chunks = row_bytes / 16;
     const int iters = (row_chunks + 127) / 128;
     const int slices = row_slices(num_msgs, iters, warps_total);

@@ -15,6 +15,7 @@
 
 #include "core/layout.hpp"
 #include "kernels/common/protocol.cuh"
+#include "transport/nvlink_team.cuh"
 
 namespace elasticep::kernels {
 
@@ -53,7 +54,7 @@ struct RegionLayout {
 // Local workspace of one rank (device memory, only this rank touches it).
 struct Workspace {
     int32_t* pos_in_expert;  // [C][K]
-    int32_t* slot_of;        // [C][R]
+    int32_t* slot_of;        // [C][K] at the first k of each destination: the token's slot there
     int32_t* clean_idx;      // [C][K]
     int32_t* expert_count;   // [E]
     int32_t* dest_count;     // [R]
@@ -61,13 +62,12 @@ struct Workspace {
     unsigned long long* bad_key;  // [1] first invalid route t*32+k (~0: none); reset by the exchange
     uint64_t* epoch;         // [1]
     int32_t* state;          // [0] aborted (timeout), [1] rejected (bad status), [2] M, [3] sticky seen
-    int32_t* recv_count;     // [R]
+    int32_t* msg_start;      // [R + 1] received messages per sender, exclusive scan
     int32_t* base;           // [R][E_local]
     int32_t* counts;         // [E_local]
     int32_t* start;          // [E_local + 1] (the offsets output)
     int32_t* recv_rows;      // [R*C][K]
     int64_t* load;           // [E_local]
-    uint8_t** peers;         // [R] region base of every rank, as this rank addresses it
 };
 
 // How a call meets its peers. kDevice: one kernel publishes, then waits on the device (bounded).
@@ -86,9 +86,9 @@ struct Shape {
 // What every kernel of a call needs: the shapes, this rank's workspace and region, its host record,
 // the wait bound, how the call meets its peers, and this rank's token count.
 struct CallParams {
+    transport::NvlinkTeam team;
     Shape sh;
     Workspace ws;
-    uint8_t* my_region;
     HostRecord* rec;
     uint64_t timeout_ns;
     int32_t sync_mode;
