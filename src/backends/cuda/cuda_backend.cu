@@ -69,43 +69,17 @@ using transport::GrowingBlock;
 using transport::pool_alloc;
 
 
-RegionLayout region_layout(const BufferConfig& c, int r) {
-    return RegionLayout::make(r, c.max_tokens_per_rank, c.num_topk, c.num_experts / r, c.hidden, message_layout(c).bytes);
+kernels::Shape make_shape(const BufferConfig& c, int num_ranks) {
+    kernels::Shape s{};
+    s.num_ranks = num_ranks;
+    s.num_experts = c.num_experts;
+    s.num_local_experts = c.num_experts / num_ranks;
+    s.num_topk = c.num_topk;
+    s.hidden = c.hidden;
+    s.capacity = c.max_tokens_per_rank;
+    s.msg = message_layout(c);
+    return s;
 }
-
-// Workspace pieces carved from one allocation.
-struct WorkspaceLayout {
-    size_t pos_in_expert, slot_of, clean_idx, expert_count, dest_count, status, bad_key, epoch, state, msg_start, base,
-        counts, start, recv_rows, load, bytes;
-    static WorkspaceLayout make(const BufferConfig& c, int r) {
-        WorkspaceLayout w{};
-        size_t at = 0;
-        auto take = [&at](size_t n) {
-            const size_t o = at;
-            at = (at + n + 255) / 256 * 256;
-            return o;
-        };
-        const size_t cap = static_cast<size_t>(c.max_tokens_per_rank), k = static_cast<size_t>(c.num_topk);
-        const size_t el = static_cast<size_t>(c.num_experts / r), rr = static_cast<size_t>(r);
-        w.pos_in_expert = take(cap * k * 4);
-        w.slot_of = take(cap * k * 4);
-        w.clean_idx = take(cap * k * 4);
-        w.expert_count = take(static_cast<size_t>(c.num_experts) * 4);
-        w.dest_count = take(rr * 4);
-        w.status = take(sizeof(RouteStatus));
-        w.bad_key = take(8);
-        w.epoch = take(8);
-        w.state = take(16);
-        w.msg_start = take((rr + 1) * 4);
-        w.base = take(rr * el * 4);
-        w.counts = take(el * 4);
-        w.start = take((el + 1) * 4);
-        w.recv_rows = take(rr * cap * k * 4);
-        w.load = take(el * 8);
-        w.bytes = at;
-        return w;
-    }
-};
 
 // Host-mapped records, recycled and never freed: cudaFreeHost waits for the whole device.
 class HostRecordPool {
@@ -175,9 +149,9 @@ class CudaBackend final : public BackendBuffer {
         cudaDeviceProp prop{};
         ELASTICEP_CUDA_CALL(cudaGetDeviceProperties(&prop, dev_));
         device_sms_ = prop.multiProcessorCount;
-        msg_ = message_layout(cfg_);
-        region_ = region_layout(cfg_, num_ranks_);
-        wl_ = WorkspaceLayout::make(cfg_, num_ranks_);
+        shape_ = make_shape(cfg_, num_ranks_);
+        region_ = RegionLayout::make(shape_);
+        const int64_t ws_bytes = Workspace::carve(shape_, nullptr).bytes;
 
         ELASTICEP_CUDA_CALL(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
         ELASTICEP_CUDA_CALL(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
@@ -192,8 +166,8 @@ class CudaBackend final : public BackendBuffer {
         ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::partial_kernel));
         ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::publish_kernel));
         ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::reduce_kernel));
-        ws_ptr_ = pool_alloc(wl_.bytes, dev_, own_stream_);
-        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, wl_.bytes, own_stream_));
+        ws_ptr_ = pool_alloc(static_cast<size_t>(ws_bytes), dev_, own_stream_);
+        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, static_cast<size_t>(ws_bytes), own_stream_));
         out_ptr_ = pool_alloc(static_cast<size_t>(cfg_.max_tokens_per_rank) * static_cast<size_t>(cfg_.hidden) * 2,
                               dev_, own_stream_);
         rec_ = HostRecordPool::acquire();
@@ -208,8 +182,8 @@ class CudaBackend final : public BackendBuffer {
         if (const char* v = std::getenv("ELASTICEP_SHARED_GPU_DEVICE_WAITS"); v && std::string(v) == "1") host_waits_ = false;
         region_mem_ = std::make_unique<transport::SymmetricMemory>(*ctx.group, where_, static_cast<size_t>(region_.bytes),
                                                                    own_stream_);
-        ws_ = carve();
-        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.bad_key, 0xff, 8, own_stream_));
+        ws_ = Workspace::carve(shape_, ws_ptr_);
+        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.first_bad_route, 0xff, sizeof(*ws_.first_bad_route), own_stream_));
         ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
 
         // SM count: explicit, or a bandwidth model of the link
@@ -247,13 +221,13 @@ class CudaBackend final : public BackendBuffer {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
         sync_last();
         std::vector<int64_t> v(static_cast<size_t>(e_local_));
-        ELASTICEP_CUDA_CALL(cudaMemcpy(v.data(), ws_.load, v.size() * 8, cudaMemcpyDeviceToHost));
+        ELASTICEP_CUDA_CALL(cudaMemcpy(v.data(), ws_.expert_load, v.size() * 8, cudaMemcpyDeviceToHost));
         return v;
     }
     void reset_expert_load() override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
         sync_last();
-        ELASTICEP_CUDA_CALL(cudaMemset(ws_.load, 0, static_cast<size_t>(e_local_) * 8));
+        ELASTICEP_CUDA_CALL(cudaMemset(ws_.expert_load, 0, static_cast<size_t>(e_local_) * 8));
     }
 
     void check() override {
@@ -283,26 +257,26 @@ class CudaBackend final : public BackendBuffer {
         fill_common(p, t_count);
         p.x = a.x.data;
         const int xelem = static_cast<int>(dtype_size(a.x.dtype));
-        p.x_stride = t_count > 1 ? a.x.stride(0) : cfg_.hidden;
-        p.x_aligned = reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0 && (p.x_stride * xelem) % 16 == 0;
+        p.x_row_stride = t_count > 1 ? a.x.stride(0) : cfg_.hidden;
+        p.x_aligned = reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0 && (p.x_row_stride * xelem) % 16 == 0;
         p.x_scales = a.x_scales ? static_cast<const uint32_t*>(a.x_scales->data) : nullptr;
-        p.xs_stride = a.x_scales && t_count > 1 ? a.x_scales->stride(0) : scols;
-        p.idx = a.topk_idx.data;
-        p.idx64 = a.topk_idx.dtype == DType::kInt64;
-        p.idx_stride = t_count > 1 ? a.topk_idx.stride(0) : cfg_.num_topk;
-        p.weights = a.topk_weights ? static_cast<const float*>(a.topk_weights->data) : nullptr;
-        p.w_stride = a.topk_weights && t_count > 1 ? a.topk_weights->stride(0) : cfg_.num_topk;
+        p.x_scales_row_stride = a.x_scales && t_count > 1 ? a.x_scales->stride(0) : scols;
+        p.topk_idx = a.topk_idx.data;
+        p.topk_idx_int64 = a.topk_idx.dtype == DType::kInt64;
+        p.topk_idx_row_stride = t_count > 1 ? a.topk_idx.stride(0) : cfg_.num_topk;
+        p.topk_weights = a.topk_weights ? static_cast<const float*>(a.topk_weights->data) : nullptr;
+        p.topk_weights_row_stride = a.topk_weights && t_count > 1 ? a.topk_weights->stride(0) : cfg_.num_topk;
         p.fp8 = fp8;
         p.quantize = req.quantize;
         p.prequantized = req.prequantized;
         p.f32_scales = cfg_.scale_format == ScaleFormat::kF32G128;
-        p.group = scale_group_size(cfg_.scale_format);
-        p.num_groups = fp8 ? cfg_.hidden / p.group : 0;
-        p.scale_cols = scols;
+        p.scale_group_size = scale_group_size(cfg_.scale_format);
+        p.num_scale_groups = fp8 ? cfg_.hidden / p.scale_group_size : 0;
+        p.scale_columns = scols;
         p.contiguous = contiguous;
         p.host_sync = a.host_sync;  // masked too: the CPU backend rejects bad routes synchronously then
         p.zero_padding = a.zero_padding;
-        p.alignment = contiguous ? a.expert_alignment : 1;
+        p.expert_alignment = contiguous ? a.expert_alignment : 1;
 
         const bool capturing = is_capturing(stream);
         ELASTICEP_CHECK_ARG(!(capturing && a.host_sync), "dispatch: host_sync=true cannot be captured in a CUDA graph "
@@ -332,18 +306,18 @@ class CudaBackend final : public BackendBuffer {
         void* rs = ptr_of(a.outputs.recv_src, cap_specs.recv_src, src_st_);
         void* rsc = fp8 ? ptr_of(a.outputs.recv_scales, *cap_specs.recv_scales, sc_st_) : nullptr;
         void* mi = contiguous ? ptr_of(a.outputs.m_indices, *cap_specs.m_indices, mi_st_) : nullptr;
-        p.rx = static_cast<uint8_t*>(rx);
-        p.rw = static_cast<float*>(rw);
-        p.rs = static_cast<int32_t*>(rs);
-        p.rsc = static_cast<uint32_t*>(rsc);
-        p.mi = static_cast<int32_t*>(mi);
+        p.recv_x = static_cast<uint8_t*>(rx);
+        p.recv_weights = static_cast<float*>(rw);
+        p.recv_src = static_cast<int32_t*>(rs);
+        p.recv_scales = static_cast<uint32_t*>(rsc);
+        p.m_indices = static_cast<int32_t*>(mi);
 
         const int grid = 2 * num_sms_;
         kernels::plan_kernel<<<cfg_.num_experts + num_ranks_ + kernels::kStatusBlocks, kernels::kThreads, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
         kernels::send_kernel<<<grid, kernels::kThreads, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
-        meet_peers(kernels::exchange_kernel, 256, p, stream, capturing, kernels::kPhaseDispatch);
+        meet_peers(kernels::exchange_kernel, kernels::kExchangeThreads, p, stream, capturing, kernels::kPhaseDispatch);
 
         int64_t rows_out = contiguous ? req.rows_cap : rc;
         if (p.host_sync) {
@@ -370,17 +344,16 @@ class CudaBackend final : public BackendBuffer {
         if (contiguous) result.m_indices = bind(a.outputs.m_indices, *cap_specs.m_indices, *specs.m_indices, mi);
         result.counts = TensorRef::contiguous(ws_.counts, DType::kInt32, {e_local_}, dev);
         if (contiguous) {
-            result.offsets = TensorRef::contiguous(ws_.start, DType::kInt32, {e_local_ + 1}, dev);
+            result.offsets = TensorRef::contiguous(ws_.offsets, DType::kInt32, {e_local_ + 1}, dev);
             result.num_rows = p.host_sync ? rows_out : -1;
         } else {
             result.masked_m = result.counts;
         }
-        p.rows_out = rows_out;
+        p.num_rows_out = rows_out;
         if (fp8) {
             const auto& st = result.recv_scales->strides;
-            p.sst0 = st[0];
-            p.sst1 = st[1];
-            p.sst2 = st.size() > 2 ? st[2] : 0;
+            p.recv_scale_strides = contiguous ? kernels::ScaleStrides{0, st[0], st[1]}
+                                              : kernels::ScaleStrides{st[0], st[1], st[2]};
         }
         kernels::expand_kernel<<<grid, kernels::kThreads, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
@@ -402,22 +375,22 @@ class CudaBackend final : public BackendBuffer {
         p.weighted = args.weighted;
         if (args.bias) {
             p.bias = static_cast<const uint16_t*>(args.bias->data);
-            p.bias_stride = t_count > 1 ? args.bias->stride(0) : cfg_.hidden;
-            ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(p.bias) % 16 == 0 && p.bias_stride % 8 == 0,
+            p.bias_row_stride = t_count > 1 ? args.bias->stride(0) : cfg_.hidden;
+            ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(p.bias) % 16 == 0 && p.bias_row_stride % 8 == 0,
                                 "combine: bias rows must be 16-byte aligned for the CUDA backend (row stride a "
                                 "multiple of 8)");
         }
         TensorRef out = args.out ? *args.out
                                  : TensorRef::contiguous(out_ptr_, DType::kBFloat16, {t_count, cfg_.hidden}, device());
         p.out = static_cast<uint16_t*>(out.data);
-        p.out_stride = t_count > 1 ? out.stride(0) : cfg_.hidden;
-        ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_stride % 8 == 0,
+        p.out_row_stride = t_count > 1 ? out.stride(0) : cfg_.hidden;
+        ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_row_stride % 8 == 0,
                             "combine: out rows must be 16-byte aligned for the CUDA backend (row stride a multiple of 8)");
         const int sms = handle.num_sms > 0 ? handle.num_sms : num_sms_;
         kernels::partial_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
         const bool capturing = is_capturing(stream);
-        meet_peers(kernels::publish_kernel, 32, p, stream, capturing, kernels::kPhaseCombine);
+        meet_peers(kernels::publish_kernel, kernels::kPublishThreads, p, stream, capturing, kernels::kPhaseCombine);
         kernels::reduce_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
         ELASTICEP_CUDA_CALL(cudaGetLastError());
         finish(stream, args.stream == nullptr, capturing);
@@ -428,47 +401,13 @@ class CudaBackend final : public BackendBuffer {
    private:
     void fill_common(kernels::CallParams& p, int64_t num_tokens) const {
         p.team = transport::NvlinkTeam{region_mem_->nvlink_windows()};
-        p.sh = shape();
+        p.shape = shape_;
+        p.region = region_;
         p.ws = ws_;
-        p.rec = rec_dev_;
+        p.record = rec_dev_;
         p.timeout_ns = static_cast<uint64_t>(cfg_.timeout.count()) * 1000000ull;
         p.sync_mode = kernels::kDevice;
         p.num_tokens = static_cast<int>(num_tokens);
-    }
-
-    kernels::Shape shape() const {
-        kernels::Shape s{};
-        s.rank = rank_;
-        s.num_ranks = num_ranks_;
-        s.num_experts = cfg_.num_experts;
-        s.e_local = e_local_;
-        s.num_topk = cfg_.num_topk;
-        s.hidden = cfg_.hidden;
-        s.capacity = cfg_.max_tokens_per_rank;
-        s.msg = msg_;
-        s.region = region_;
-        return s;
-    }
-
-    Workspace carve() {
-        auto* b = static_cast<uint8_t*>(ws_ptr_);
-        Workspace w{};
-        w.pos_in_expert = reinterpret_cast<int32_t*>(b + wl_.pos_in_expert);
-        w.slot_of = reinterpret_cast<int32_t*>(b + wl_.slot_of);
-        w.clean_idx = reinterpret_cast<int32_t*>(b + wl_.clean_idx);
-        w.expert_count = reinterpret_cast<int32_t*>(b + wl_.expert_count);
-        w.dest_count = reinterpret_cast<int32_t*>(b + wl_.dest_count);
-        w.status = reinterpret_cast<RouteStatus*>(b + wl_.status);
-        w.bad_key = reinterpret_cast<unsigned long long*>(b + wl_.bad_key);
-        w.epoch = reinterpret_cast<uint64_t*>(b + wl_.epoch);
-        w.state = reinterpret_cast<int32_t*>(b + wl_.state);
-        w.msg_start = reinterpret_cast<int32_t*>(b + wl_.msg_start);
-        w.base = reinterpret_cast<int32_t*>(b + wl_.base);
-        w.counts = reinterpret_cast<int32_t*>(b + wl_.counts);
-        w.start = reinterpret_cast<int32_t*>(b + wl_.start);
-        w.recv_rows = reinterpret_cast<int32_t*>(b + wl_.recv_rows);
-        w.load = reinterpret_cast<int64_t*>(b + wl_.load);
-        return w;
     }
 
     static bool is_capturing(cudaStream_t stream) {
@@ -520,21 +459,22 @@ class CudaBackend final : public BackendBuffer {
         uint64_t dev_epoch = 0;
         int32_t aborted = 0;
         ELASTICEP_CUDA_CALL(cudaMemcpyAsync(&dev_epoch, ws_.epoch, 8, cudaMemcpyDeviceToHost, own_stream_));
-        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(&aborted, ws_.state, 4, cudaMemcpyDeviceToHost, own_stream_));
+        ELASTICEP_CUDA_CALL(
+            cudaMemcpyAsync(&aborted, &ws_.state->timed_out, sizeof(aborted), cudaMemcpyDeviceToHost, own_stream_));
         ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
         if (phase == kernels::kPhaseCombine && aborted) return;  // the dispatch timed out: nothing was published
         const uint64_t epoch = phase == kernels::kPhaseDispatch ? dev_epoch + 1 : dev_epoch;
         const size_t r = static_cast<size_t>(num_ranks_);
         const uint8_t* base = region_mem_->local();
-        std::vector<kernels::DispFlag> disp(phase == kernels::kPhaseDispatch ? 2 * r : 0);
+        std::vector<kernels::DispatchFlag> disp(phase == kernels::kPhaseDispatch ? 2 * r : 0);
         std::vector<uint64_t> comb(phase == kernels::kPhaseCombine ? r : 0);
         const auto start = std::chrono::steady_clock::now();
         for (int spins = 0;; ++spins) {
             if (phase == kernels::kPhaseDispatch)
-                ELASTICEP_CUDA_CALL(cudaMemcpyAsync(disp.data(), base + region_.disp_flags, disp.size() * sizeof(disp[0]),
+                ELASTICEP_CUDA_CALL(cudaMemcpyAsync(disp.data(), base + region_.dispatch_flags, disp.size() * sizeof(disp[0]),
                                                     cudaMemcpyDeviceToHost, own_stream_));
             else
-                ELASTICEP_CUDA_CALL(cudaMemcpyAsync(comb.data(), base + region_.comb_flags, r * 8, cudaMemcpyDeviceToHost,
+                ELASTICEP_CUDA_CALL(cudaMemcpyAsync(comb.data(), base + region_.combine_flags, r * 8, cudaMemcpyDeviceToHost,
                                                     own_stream_));
             ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
             const MissingPeers missing = scan_missing(
@@ -561,15 +501,15 @@ class CudaBackend final : public BackendBuffer {
     std::string diagnose() {
         const size_t r = static_cast<size_t>(num_ranks_);
         std::vector<uint8_t*> table(r);
-        std::vector<kernels::DispFlag> disp(2 * r);
+        std::vector<kernels::DispatchFlag> disp(2 * r);
         std::vector<uint64_t> comb(r);
         const uint8_t* base = region_mem_->local();
         const std::vector<uint8_t*>& windows = region_mem_->windows();
         if (cudaMemcpy(table.data(), region_mem_->device_windows(), r * sizeof(uint8_t*), cudaMemcpyDeviceToHost) !=
                 cudaSuccess ||
-            cudaMemcpy(disp.data(), base + region_.disp_flags, disp.size() * sizeof(kernels::DispFlag),
+            cudaMemcpy(disp.data(), base + region_.dispatch_flags, disp.size() * sizeof(kernels::DispatchFlag),
                        cudaMemcpyDeviceToHost) != cudaSuccess ||
-            cudaMemcpy(comb.data(), base + region_.comb_flags, r * 8, cudaMemcpyDeviceToHost) != cudaSuccess) {
+            cudaMemcpy(comb.data(), base + region_.combine_flags, r * 8, cudaMemcpyDeviceToHost) != cudaSuccess) {
             cudaGetLastError();
             return "(no diagnosis: the device could not be read)";
         }
@@ -596,9 +536,8 @@ class CudaBackend final : public BackendBuffer {
     bool host_waits_ = false;  // some GPU holds two ranks of one process: kernels::SyncMode
     transport::Placement where_;
     std::unique_ptr<transport::SymmetricMemory> region_mem_;
-    MessageLayout msg_;
-    RegionLayout region_;
-    WorkspaceLayout wl_;
+    kernels::Shape shape_{};
+    RegionLayout region_{};
     Workspace ws_{};
     cudaStream_t own_stream_ = nullptr;
     cudaEvent_t last_event_ = nullptr;
@@ -618,8 +557,9 @@ std::unique_ptr<BackendBuffer> make_cuda_backend(const BackendContext& ctx) { re
 size_t cuda_reservation_bytes(const BufferConfig& c, int num_ranks) {
     // the symmetric region, the workspace and the combine output; buffer-owned dispatch outputs
     // are allocated at the first call of each layout, for its worst case
-    return static_cast<size_t>(region_layout(c, num_ranks).bytes) + WorkspaceLayout::make(c, num_ranks).bytes +
-           static_cast<size_t>(reservation(c, num_ranks).combine_out);
+    const kernels::Shape shape = make_shape(c, num_ranks);
+    return static_cast<size_t>(RegionLayout::make(shape).bytes + Workspace::carve(shape, nullptr).bytes +
+                               reservation(c, num_ranks).combine_out);
 }
 
 }  // namespace elasticep::detail
