@@ -49,9 +49,10 @@
 #include "core/outputs.hpp"
 #include "core/protocol.hpp"
 #include "core/routing.hpp"
+#include "backends/cuda/kernel_launch.hpp"
 #include "kernels/common/cuda_check.hpp"
-#include "kernels/intranode/combine.cuh"
-#include "kernels/intranode/dispatch.cuh"
+#include "core/numerics.hpp"
+#include "kernels/common/primitives.cuh"
 #include "transport/device_pool.hpp"
 #include "transport/symmetric_memory.hpp"
 
@@ -158,14 +159,8 @@ class CudaBackend final : public BackendBuffer {
         // Everything that may wait for the device happens before the first collective: once a peer
         // passes the last one (the front end's), it may launch kernels that wait for this rank.
         // load every kernel now: lazy loading mid-protocol could stall a context while peers spin
-        cudaFuncAttributes attr{};
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::plan_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::send_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::exchange_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::expand_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::partial_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::publish_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::reduce_kernel));
+        cuda::load_dispatch_kernels();
+        cuda::load_combine_kernels();
         ws_ptr_ = pool_alloc(static_cast<size_t>(ws_bytes), dev_, own_stream_);
         ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, static_cast<size_t>(ws_bytes), own_stream_));
         out_ptr_ = pool_alloc(static_cast<size_t>(cfg_.max_tokens_per_rank) * static_cast<size_t>(cfg_.hidden) * 2,
@@ -253,7 +248,7 @@ class CudaBackend final : public BackendBuffer {
         const int64_t rc = int64_t{num_ranks_} * cfg_.max_tokens_per_rank;
         const int64_t t_count = req.num_tokens;
 
-        kernels::DispatchParams p{};
+        cuda::DispatchParams p{};
         fill_common(p, t_count);
         p.x = a.x.data;
         const int xelem = static_cast<int>(dtype_size(a.x.dtype));
@@ -262,21 +257,21 @@ class CudaBackend final : public BackendBuffer {
         p.x_scales = a.x_scales ? static_cast<const uint32_t*>(a.x_scales->data) : nullptr;
         p.x_scales_row_stride = a.x_scales && t_count > 1 ? a.x_scales->stride(0) : scols;
         p.topk_idx = a.topk_idx.data;
-        p.topk_idx_int64 = a.topk_idx.dtype == DType::kInt64;
         p.topk_idx_row_stride = t_count > 1 ? a.topk_idx.stride(0) : cfg_.num_topk;
         p.topk_weights = a.topk_weights ? static_cast<const float*>(a.topk_weights->data) : nullptr;
         p.topk_weights_row_stride = a.topk_weights && t_count > 1 ? a.topk_weights->stride(0) : cfg_.num_topk;
-        p.fp8 = fp8;
-        p.quantize = req.quantize;
-        p.prequantized = req.prequantized;
-        p.f32_scales = cfg_.scale_format == ScaleFormat::kF32G128;
-        p.scale_group_size = scale_group_size(cfg_.scale_format);
-        p.num_scale_groups = fp8 ? cfg_.hidden / p.scale_group_size : 0;
         p.scale_columns = scols;
-        p.contiguous = contiguous;
         p.host_sync = a.host_sync;  // masked too: the CPU backend rejects bad routes synchronously then
         p.zero_padding = a.zero_padding;
-        p.expert_alignment = contiguous ? a.expert_alignment : 1;
+        p.expert_alignment = contiguous ? a.expert_alignment : 0;  // 0: no segments (masked)
+        cuda::DispatchModes modes{};
+        modes.payload = !fp8                ? kernels::SendPayload::kBF16
+                        : req.prequantized  ? kernels::SendPayload::kFP8Copy
+                        : cfg_.scale_format == ScaleFormat::kF32G128   ? kernels::SendPayload::kFP8F32G128
+                        : cfg_.scale_format == ScaleFormat::kUE8M0G128 ? kernels::SendPayload::kFP8UE8M0G128
+                                                                       : kernels::SendPayload::kFP8UE8M0G32;
+        modes.idx64 = a.topk_idx.dtype == DType::kInt64;
+        modes.contiguous = contiguous;
 
         const bool capturing = is_capturing(stream);
         ELASTICEP_CHECK_ARG(!(capturing && a.host_sync), "dispatch: host_sync=true cannot be captured in a CUDA graph "
@@ -313,11 +308,9 @@ class CudaBackend final : public BackendBuffer {
         p.m_indices = static_cast<int32_t*>(mi);
 
         const int grid = 2 * num_sms_;
-        kernels::plan_kernel<<<cfg_.num_experts + num_ranks_ + kernels::kStatusBlocks, kernels::kThreads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
-        kernels::send_kernel<<<grid, kernels::kThreads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
-        meet_peers(kernels::exchange_kernel, kernels::kExchangeThreads, p, stream, capturing, kernels::kPhaseDispatch);
+        cuda::launch_plan(p, modes, stream);
+        cuda::launch_send(p, modes, grid, stream);
+        meet_peers([&] { cuda::launch_exchange(p, modes, stream); }, p, stream, capturing, kernels::kPhaseDispatch);
 
         int64_t rows_out = contiguous ? req.rows_cap : rc;
         if (p.host_sync) {
@@ -355,8 +348,7 @@ class CudaBackend final : public BackendBuffer {
             p.recv_scale_strides = contiguous ? kernels::ScaleStrides{0, st[0], st[1]}
                                               : kernels::ScaleStrides{st[0], st[1], st[2]};
         }
-        kernels::expand_kernel<<<grid, kernels::kThreads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        cuda::launch_expand(p, modes, grid, stream);
         finish(stream, a.stream == nullptr, capturing);
         handle.num_sms = num_sms_;
         handle.backend_data = nullptr;
@@ -367,12 +359,11 @@ class CudaBackend final : public BackendBuffer {
         raise_timeout();
         cudaStream_t stream = args.stream ? static_cast<cudaStream_t>(args.stream) : own_stream_;
         const int64_t t_count = handle.num_tokens;
-        kernels::CombineParams p{};
+        cuda::CombineParams p{};
         fill_common(p, t_count);
         p.y = static_cast<const uint16_t*>(args.y.data);
         ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(args.y.data) % 16 == 0, "combine: y must be 16-byte aligned for "
                             "the CUDA backend");
-        p.weighted = args.weighted;
         if (args.bias) {
             p.bias = static_cast<const uint16_t*>(args.bias->data);
             p.bias_row_stride = t_count > 1 ? args.bias->stride(0) : cfg_.hidden;
@@ -387,19 +378,17 @@ class CudaBackend final : public BackendBuffer {
         ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_row_stride % 8 == 0,
                             "combine: out rows must be 16-byte aligned for the CUDA backend (row stride a multiple of 8)");
         const int sms = handle.num_sms > 0 ? handle.num_sms : num_sms_;
-        kernels::partial_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        cuda::launch_partial(p, args.weighted, 2 * sms, stream);
         const bool capturing = is_capturing(stream);
-        meet_peers(kernels::publish_kernel, kernels::kPublishThreads, p, stream, capturing, kernels::kPhaseCombine);
-        kernels::reduce_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        meet_peers([&] { cuda::launch_publish(p, stream); }, p, stream, capturing, kernels::kPhaseCombine);
+        cuda::launch_reduce(p, p.bias != nullptr, 2 * sms, stream);
         finish(stream, args.stream == nullptr, capturing);
         if (args.stream == nullptr) raise_timeout();
         return out;
     }
 
    private:
-    void fill_common(kernels::CallParams& p, int64_t num_tokens) const {
+    void fill_common(kernels::CallParams<cuda::Team>& p, int64_t num_tokens) const {
         p.team = transport::NvlinkTeam{region_mem_->nvlink_windows()};
         p.shape = shape_;
         p.region = region_;
@@ -418,18 +407,18 @@ class CudaBackend final : public BackendBuffer {
 
     // Launches the one-block kernel that publishes this rank's epoch and waits for the peers'.
     // With host waits (kernels::SyncMode; never inside a capture) it runs twice: publish only, the
-    // host waits on the flags, then a wait-only launch that finds them set.
-    template <class Params>
-    void meet_peers(void (*kernel)(Params), int threads, Params& p, cudaStream_t stream, bool capturing, int32_t phase) {
+    // host waits on the flags, then a wait-only launch that finds them set. `launch` launches the
+    // kernel with `p` as it is at the time of the call.
+    template <class Launch>
+    void meet_peers(Launch&& launch, kernels::CallParams<cuda::Team>& p, cudaStream_t stream, bool capturing,
+                    int32_t phase) {
         if (host_waits_ && !capturing) {
             p.sync_mode = kernels::kPublishOnly;
-            kernel<<<1, threads, 0, stream>>>(p);
-            ELASTICEP_CUDA_CALL(cudaGetLastError());
+            launch();
             host_wait(stream, phase);
             p.sync_mode = kernels::kWaitOnly;
         }
-        kernel<<<1, threads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        launch();
     }
 
     void finish(cudaStream_t stream, bool synchronous, bool capturing) {

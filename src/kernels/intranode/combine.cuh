@@ -63,7 +63,8 @@ __device__ __forceinline__ void load_chunk(float (&acc)[8], const uint4& v) {
 // keeps many reads in flight; the arithmetic order (sources ascending) is unchanged.
 constexpr int kBatch = 4;
 
-__global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams p) {
+template <class Team, bool kWeighted>
+__global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams<Team> p) {
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     if (p.ws.state->timed_out != 0) return;
@@ -94,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams p) {
         float w = 1.0f;
         if (active) {
             row = p.ws.recv_rows[g * sh.num_topk + lane];
-            if (p.weighted) w = __ldcg(reinterpret_cast<const float*>(msg + m.weight_offset) + lane);
+            if constexpr (kWeighted) w = __ldcg(reinterpret_cast<const float*>(msg + m.weight_offset) + lane);
         }
         const int32_t t = __ldcg(reinterpret_cast<const int32_t*>(msg + m.src_offset));
         const unsigned routes = __ballot_sync(kFullMask, row >= 0);
@@ -135,13 +136,14 @@ __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams p) {
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) transport::NvlinkTeam::fence();
+    if (threadIdx.x == 0) Team::fence();
 }
 
-__global__ void __launch_bounds__(kPublishThreads) publish_kernel(CombineParams p) {
+template <class Team>
+__global__ void __launch_bounds__(kPublishThreads) publish_kernel(CombineParams<Team> p) {
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
-    const transport::NvlinkTeam& team = p.team;
+    const Team& team = p.team;
     if (p.ws.state->timed_out != 0) return;
     const uint64_t epoch = *p.ws.epoch;
     if (p.sync_mode != kWaitOnly) {
@@ -158,7 +160,8 @@ __global__ void __launch_bounds__(kPublishThreads) publish_kernel(CombineParams 
     if (st != WaitStatus::kOk) p.ws.state->timed_out = 1;
 }
 
-__global__ void __launch_bounds__(kThreads, 2) reduce_kernel(CombineParams p) {
+template <class Team, bool kBias>
+__global__ void __launch_bounds__(kThreads, 2) reduce_kernel(CombineParams<Team> p) {
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     if (p.ws.state->timed_out != 0) return;
@@ -188,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, 2) reduce_kernel(CombineParams p) {
             const int c0 = base + lane, c1 = c0 + 32;
             const bool ok0 = c0 < chunks, ok1 = c1 < chunks;
             float a0[8], a1[8];
-            if (p.bias) {
+            if constexpr (kBias) {
                 const uint16_t* br = p.bias + t * p.bias_row_stride;
                 load_chunk(a0, ok0 ? *reinterpret_cast<const uint4*>(br + c0 * 8) : make_uint4(0, 0, 0, 0));
                 load_chunk(a1, ok1 ? *reinterpret_cast<const uint4*>(br + c1 * 8) : make_uint4(0, 0, 0, 0));

@@ -29,6 +29,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/limits.hpp"
 #include "core/numerics.hpp"
@@ -40,15 +41,15 @@ namespace elasticep::kernels {
 constexpr int kStatusBlocks = 16;  // plan blocks that look for the first invalid route
 constexpr int kExchangeThreads = 256;
 
-__device__ __forceinline__ int64_t load_idx(const void* p, bool int64, int64_t stride, int t, int k) {
-    return int64 ? static_cast<const int64_t*>(p)[t * stride + k] : static_cast<const int32_t*>(p)[t * stride + k];
+// topk_idx[t][k] of this rank's input, int32 or int64 (kIdx64)
+template <bool kIdx64, class Params>
+__device__ __forceinline__ int64_t topk_at(const Params& p, int t, int k) {
+    using Index = std::conditional_t<kIdx64, int64_t, int32_t>;
+    return static_cast<const Index*>(p.topk_idx)[t * p.topk_idx_row_stride + k];
 }
 
-__device__ __forceinline__ int64_t topk_at(const DispatchParams& p, int t, int k) {
-    return load_idx(p.topk_idx, p.topk_idx_int64, p.topk_idx_row_stride, t, k);
-}
-
-__global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams p) {
+template <class Team, bool kIdx64>
+__global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams<Team> p) {
     const Shape& sh = p.shape;
     const int b = blockIdx.x;
     const int t_count = p.num_tokens;
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams p) {
             if (t < t_count) {
 #pragma unroll 4
                 for (int k = sh.num_topk - 1; k >= 0; --k) {  // no early exit: the loads overlap
-                    const int64_t v = topk_at(p, t, k);
+                    const int64_t v = topk_at<kIdx64>(p, t, k);
                     const bool hit =
                         by_expert ? v == e : (v >= 0 && v < sh.num_experts && v / sh.num_local_experts == d);
                     if (hit) hit_k = k;
@@ -94,7 +95,7 @@ __global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams p) {
     const int first_warp = (b - sh.num_experts - sh.num_ranks) * kWarps + warp_id();
     for (int t = first_warp; t < t_count; t += kStatusBlocks * kWarps) {
         const bool active = lane < sh.num_topk;
-        const int64_t v = active ? topk_at(p, t, lane) : -1;
+        const int64_t v = active ? topk_at<kIdx64>(p, t, lane) : -1;
         int fault, dup;
         clean_route(v, active, sh.num_experts, fault, dup);
         const unsigned bad = __ballot_sync(kFullMask, fault != detail::kRouteOk);
@@ -105,14 +106,15 @@ __global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams p) {
 // The call's route status, resolved once by the exchange (one thread): this call's first invalid
 // route and the sticky word go through decide_route_status (protocol.hpp); graph mode records the
 // first invalid route as the sticky fault.
-__device__ RouteStatus resolve_route_status(const DispatchParams& p) {
+template <bool kIdx64, class Team>
+__device__ RouteStatus resolve_route_status(const DispatchParams<Team>& p) {
     const Shape& sh = p.shape;
     const unsigned long long key = *p.ws.first_bad_route;
     *p.ws.first_bad_route = detail::kNoRouteKey;
     RouteStatus bad{};
     if (key != detail::kNoRouteKey) {
         const int t = static_cast<int>(detail::route_key_token(key)), k = detail::route_key_k(key);
-        const int64_t v = topk_at(p, t, k);
+        const int64_t v = topk_at<kIdx64>(p, t, k);
         bad.token = t;
         bad.k = k;
         bad.value = v;
@@ -122,7 +124,7 @@ __device__ RouteStatus resolve_route_status(const DispatchParams& p) {
         } else {
             bad.kind = detail::kRouteRepeated;
             for (int j = 0; j < k; ++j)
-                if (topk_at(p, t, j) == v) {
+                if (topk_at<kIdx64>(p, t, j) == v) {
                     bad.dup_of = j;
                     break;
                 }
@@ -148,7 +150,14 @@ __device__ RouteStatus resolve_route_status(const DispatchParams& p) {
     return d.publish;
 }
 
-__global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
+template <class Team, SendPayload kPayload, bool kIdx64>
+__global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams<Team> p) {
+    constexpr bool kFP8 = payload_is_fp8(kPayload);
+    constexpr bool kFused = payload_quantizes(kPayload);  // bf16 in, fp8 + scales out
+    constexpr bool kF32Scales = payload_f32_scales(kPayload);
+    constexpr int kScaleGroup = payload_scale_group(kPayload);
+    static_assert(kScaleGroup % 16 == 0 && kScaleGroup / 16 <= kWarpSize,
+                  "a scale group is whole lanes of 16 channels");
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     // host-sync call rejected (this call's invalid route, or a sticky fault): nothing is sent; the
@@ -171,9 +180,8 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
     int32_t** route_pos_rows = dst_route_pos[warp];
     int32_t* dests = dst_rank[warp];
     // work items: RowSlice over this rank's tokens
-    const bool fused = p.fp8 && !p.prequantized;
-    const int chunks = p.fp8 ? sh.hidden / 16 : sh.hidden / 8;  // 16-byte chunks moved as is
-    const int iters = fused ? (sh.hidden + 511) / 512 : (chunks + 127) / 128;
+    const int chunks = kFP8 ? sh.hidden / 16 : sh.hidden / 8;  // 16-byte chunks moved as is
+    const int iters = kFused ? (sh.hidden + 511) / 512 : (chunks + 127) / 128;
     const int slices = row_slices(p.num_tokens, iters, warps_total);
     const int64_t items = int64_t{p.num_tokens} * slices;
     for (int64_t item = blockIdx.x * kWarps + warp; item < items; item += warps_total) {
@@ -181,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
         const int t = slice.row, it0 = slice.begin, it1 = slice.end;
         const bool first = slice.first;
         const bool active = lane < sh.num_topk;
-        const int64_t v = active ? topk_at(p, t, lane) : -1;
+        const int64_t v = active ? topk_at<kIdx64>(p, t, lane) : -1;
         int fault, dup;
         const int32_t clean = clean_route(v, active, sh.num_experts, fault, dup);
         const int dest = clean >= 0 ? clean / sh.num_local_experts : -1;
@@ -216,9 +224,9 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
             }
         }
         // payload
-        if (!fused) {
+        if constexpr (!kFused) {
             // moved as is: 4 loads in flight per lane before their stores
-            const int64_t row_off = t * p.x_row_stride * (p.fp8 ? 1 : 2);
+            const int64_t row_off = t * p.x_row_stride * (kFP8 ? 1 : 2);
             for (int c0 = it0 * 128 + lane; c0 < min(chunks, it1 * 128); c0 += 128) {
                 uint4 v[4];
 #pragma unroll
@@ -231,7 +239,7 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
                     for (int u = 0; u < 4; ++u)
                         if (c0 + 32 * u < chunks) reinterpret_cast<uint4*>(msgs[i])[c0 + 32 * u] = v[u];
             }
-            if (p.prequantized && first)
+            if (kPayload == SendPayload::kFP8Copy && first)
                 for (int c = lane; c < p.scale_columns; c += 32) {
                     const uint32_t word = p.x_scales[t * p.x_scales_row_stride + c];
                     for (int i = 0; i < num_dst; ++i) reinterpret_cast<uint32_t*>(msgs[i] + m.payload_bytes)[c] = word;
@@ -239,9 +247,10 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
         } else {
             // fused quantization: lane owns 16 channels (one 16-byte fp8 store per destination); a
             // group is G/16 consecutive lanes; the next step's 32 bytes are loaded ahead
-            const int lanes_per_group = p.scale_group_size / 16;
-            if (first && !p.f32_scales && lane < p.scale_columns * 4 - p.num_scale_groups)
-                for (int i = 0; i < num_dst; ++i) (msgs[i] + m.payload_bytes)[p.num_scale_groups + lane] = 0;
+            constexpr int kLanesPerGroup = kScaleGroup / 16;
+            const int num_groups = sh.hidden / kScaleGroup;
+            if (!kF32Scales && first && lane < p.scale_columns * 4 - num_groups)
+                for (int i = 0; i < num_dst; ++i) (msgs[i] + m.payload_bytes)[num_groups + lane] = 0;
             const int64_t row_off = t * p.x_row_stride * 2;
             const int begin = it0 * 512, end = min(sh.hidden, it1 * 512);
             uint4 next0 = make_uint4(0, 0, 0, 0), next1 = next0;
@@ -267,12 +276,13 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
                 }
 #pragma unroll
                 for (int i = 0; i < 16; ++i) amax = num::fmax_ignore_nan(amax, num::abs_bits(f[i]));
-                for (int o = lanes_per_group / 2; o > 0; o >>= 1)
+#pragma unroll
+                for (int o = kLanesPerGroup / 2; o > 0; o >>= 1)
                     amax = num::fmax_ignore_nan(amax, __shfl_xor_sync(kFullMask, amax, o));
                 amax = num::fmax_ignore_nan(amax, num::kAmaxFloor);
                 float mul;
                 uint32_t scale_bits;
-                if (p.f32_scales) {
+                if constexpr (kF32Scales) {
                     scale_bits = num::float_bits(__fdiv_rn(amax, num::kE4M3Max));
                     mul = __fdiv_rn(num::kE4M3Max, amax);
                 } else {
@@ -285,14 +295,14 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
                 for (int i = 0; i < 16; i += 2)
                     q[i / 4] |= static_cast<uint32_t>(e4m3x2(__fmul_rn(f[i], mul), __fmul_rn(f[i + 1], mul)))
                                 << (8 * (i % 4));
-                const int gi = ch / p.scale_group_size;
-                const bool leader = ok && (lane % lanes_per_group) == 0;
+                const int gi = ch / kScaleGroup;
+                const bool leader = ok && (lane % kLanesPerGroup) == 0;
                 if (ok)
                     for (int i = 0; i < num_dst; ++i) {
                         uint8_t* msg = msgs[i];
                         *reinterpret_cast<uint4*>(msg + ch) = make_uint4(q[0], q[1], q[2], q[3]);
                         if (leader) {
-                            if (p.f32_scales)
+                            if constexpr (kF32Scales)
                                 reinterpret_cast<uint32_t*>(msg + m.payload_bytes)[gi] = scale_bits;
                             else
                                 (msg + m.payload_bytes)[gi] = static_cast<uint8_t>(scale_bits);
@@ -305,21 +315,22 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
     // one system-scope fence per block, after the block's writes (cumulative through the barrier);
     // the exchange's signals then publish them
     __syncthreads();
-    if (threadIdx.x == 0) transport::NvlinkTeam::fence();
+    if (threadIdx.x == 0) Team::fence();
 }
 
-__global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchParams p) {
+template <class Team, bool kIdx64>
+__global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchParams<Team> p) {
     static_assert(kMaxLocalExperts <= 1024, "segment sizes are scanned in one block's shared memory");
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
-    const transport::NvlinkTeam& team = p.team;
+    const Team& team = p.team;
     const int rank = team.rank();
     __shared__ bool ok;
     const uint64_t epoch = *p.ws.epoch + 1;
     const int parity = static_cast<int>(epoch & 1);
     uint8_t* mine = team.self();
     if (p.sync_mode != kWaitOnly) {
-        if (threadIdx.x == 0) *p.ws.route_status = resolve_route_status(p);
+        if (threadIdx.x == 0) *p.ws.route_status = resolve_route_status<kIdx64>(p);
         __syncthreads();
         const RouteStatus st = *p.ws.route_status;
         const bool reject = st.any();
@@ -366,7 +377,7 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
         }
         p.ws.counts[l] = total;
         p.ws.expert_load[l] += total;
-        seg[l] = p.contiguous ? static_cast<int32_t>(round_up(total, p.expert_alignment)) : 0;
+        seg[l] = p.expert_alignment > 0 ? static_cast<int32_t>(round_up(total, p.expert_alignment)) : 0;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -427,7 +438,8 @@ __device__ __forceinline__ int64_t message_slot(const int32_t* start, const Shap
     return int64_t{lo} * sh.capacity + (i - start[lo]);
 }
 
-__global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
+template <class Team, bool kFP8, bool kContiguous>
+__global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams<Team> p) {
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     __shared__ int64_t expand_rows[kWarps][kMaxTopk];
@@ -438,7 +450,7 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
     const int warps_total = gridDim.x * kWarps;
     const MessageLayout& m = sh.msg;
     const int64_t rc = sh.slots();
-    const int row_bytes = sh.hidden * (p.fp8 ? 1 : 2);
+    const int row_bytes = sh.hidden * (kFP8 ? 1 : 2);
     const uint8_t* mine = p.team.self();
     const ScaleStrides& sst = p.recv_scale_strides;
     // work items: RowSlice over the received messages
@@ -469,11 +481,11 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
         if (local) {
             pos = __ldcg(RegionLayout::at<int32_t>(mine, region.route_pos_row(g)) + lane) +
                   p.ws.expert_base[s * sh.num_local_experts + l];
-            row = p.contiguous ? p.ws.offsets[l] + pos : l * rc + pos;
+            row = kContiguous ? p.ws.offsets[l] + pos : l * rc + pos;
             if (first) {
                 p.recv_weights[row] = w;
                 p.recv_src[row] = static_cast<int32_t>(s * sh.capacity + src_t);
-                if (p.m_indices) p.m_indices[row] = l;
+                if constexpr (kContiguous) p.m_indices[row] = l;
             }
         }
         if (active && first) p.ws.recv_rows[g * sh.num_topk + lane] = static_cast<int32_t>(row);
@@ -496,7 +508,7 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
                     if (c0 + 32 * u < row_chunks)
                         reinterpret_cast<uint4*>(p.recv_x + rows[i] * row_bytes)[c0 + 32 * u] = val[u];
         }
-        if (p.scale_columns > 0 && first) {
+        if (kFP8 && first) {
             for (unsigned lm = locals; lm; lm &= lm - 1) {
                 const int k = __ffs(lm) - 1;
                 const int64_t r = __shfl_sync(kFullMask, row, k);
@@ -505,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
                 for (int c = lane; c < p.scale_columns; c += 32) {
                     const uint32_t word = __ldcg(reinterpret_cast<const uint32_t*>(msg + m.payload_bytes) + c);
                     const int64_t at =
-                        p.contiguous ? r * sst.row + c * sst.column : ll * sst.expert + ps * sst.row + c * sst.column;
+                        kContiguous ? r * sst.row + c * sst.column : ll * sst.expert + ps * sst.row + c * sst.column;
                     p.recv_scales[at] = word;
                 }
             }
@@ -513,12 +525,12 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
         __syncwarp();
     }
     // padding rows
-    const int64_t total = p.contiguous ? p.num_rows_out : int64_t{sh.num_local_experts} * rc;
+    const int64_t total = kContiguous ? p.num_rows_out : int64_t{sh.num_local_experts} * rc;
     const int64_t m_rows = p.ws.state->num_rows;
     for (int64_t r = blockIdx.x * int64_t{kThreads} + threadIdx.x; r < total; r += int64_t{gridDim.x} * kThreads) {
         int64_t l, pos;
         bool pad;
-        if (p.contiguous) {
+        if constexpr (kContiguous) {
             if (r >= m_rows) {
                 pad = true;
                 l = 0;
@@ -544,15 +556,16 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
         if (!pad) continue;
         p.recv_weights[r] = 0.0f;
         p.recv_src[r] = -1;
-        if (p.m_indices) p.m_indices[r] = -1;
+        if constexpr (kContiguous) p.m_indices[r] = -1;
         if (p.zero_padding) {
             uint4* dst = reinterpret_cast<uint4*>(p.recv_x + r * row_bytes);
             for (int c = 0; c < row_bytes / 16; ++c) dst[c] = make_uint4(0, 0, 0, 0);
-            for (int c = 0; c < p.scale_columns; ++c) {
-                const int64_t at =
-                    p.contiguous ? r * sst.row + c * sst.column : l * sst.expert + pos * sst.row + c * sst.column;
-                p.recv_scales[at] = 0;
-            }
+            if constexpr (kFP8)
+                for (int c = 0; c < p.scale_columns; ++c) {
+                    const int64_t at =
+                        kContiguous ? r * sst.row + c * sst.column : l * sst.expert + pos * sst.row + c * sst.column;
+                    p.recv_scales[at] = 0;
+                }
         }
     }
 }
