@@ -13,7 +13,6 @@ namespace elasticep::detail {
 
 struct HandleState {
     uint64_t buffer_id = 0;
-    uint64_t sequence = 0;  // which dispatch of the buffer made it
     bool consumed = false;
     Layout layout = Layout::kExpertContiguous;
     int num_sms = 0;

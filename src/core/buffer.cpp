@@ -204,7 +204,6 @@ class BufferImpl {
         const DispatchRequest req = validate_dispatch(args);
         auto state = std::make_shared<HandleState>();
         state->buffer_id = buffer_id_;
-        state->sequence = ++sequence_;
         state->layout = args.layout;
         state->has_weights = req.has_weights;
         state->num_tokens = req.num_tokens;
@@ -265,7 +264,6 @@ class BufferImpl {
     int rank_ = 0;
     int num_ranks_ = 1;
     uint64_t buffer_id_ = 0;
-    uint64_t sequence_ = 0;
     std::string broken_;
     std::shared_ptr<HandleState> outstanding_;
     std::unique_ptr<BackendBuffer> backend_;

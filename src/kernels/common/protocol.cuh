@@ -1,12 +1,13 @@
-// Device half of the protocol (src/core/protocol.hpp): the record each rank's kernels leave in
-// host-mapped memory, and the bounded wait for every peer of a team. Every spin on a peer is bounded
-// by the buffer's timeout; on expiry one thread records (phase, expected epoch, the peers not heard
-// from) and the kernel leaves.
+// Device half of the protocol (src/core/protocol.hpp): the bounded wait for every peer of a team.
+// Every spin on a peer is bounded by the buffer's timeout; on expiry one thread records (phase,
+// expected epoch, the peers not heard from) in the host-mapped HostRecord (buffer_layout.hpp) and the
+// kernel leaves.
 #pragma once
 
 #include <cstdint>
 
 #include "core/protocol.hpp"
+#include "kernels/common/buffer_layout.hpp"
 #include "transport/nvlink_team.cuh"
 
 namespace elasticep::kernels {
@@ -18,23 +19,6 @@ using detail::MissingPeers;
 using detail::RouteStatus;
 using transport::Deadline;
 using transport::WaitStatus;
-
-// Host-mapped record of one rank (written by the device, read by the host after a sync).
-struct HostRecord {
-    // timeout (first one wins; the buffer is unusable afterwards)
-    int32_t timeout_phase;
-    int32_t pad0;
-    uint64_t timeout_expected;
-    MissingPeers timeout_missing;  // the scan of every peer's flag at expiry
-    // sticky fault of a graph-mode dispatch (cleared by the host in check(), by the device when a
-    // host-sync dispatch reports it)
-    RouteStatus sticky;
-    // host-sync dispatch summary, written by the count exchange
-    int64_t num_rows;    // M
-    int32_t bad_sender;  // first sender whose status is bad, or -1
-    int32_t pad1;
-    RouteStatus bad;  // that sender's status
-};
 
 // One thread waits until every peer's epoch word (at offset_of(q) in this rank's own window) reaches
 // `epoch`. On expiry it records the peers still missing (unless an earlier timeout is recorded) and

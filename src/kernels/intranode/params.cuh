@@ -5,13 +5,13 @@
 //     transport is one too: every kernel is a template over its Team (src/transport/nvlink_team.cuh).
 //   Parameters: everything else, one plain struct passed by value. CallParams is what every kernel of
 //     a call needs; DispatchParams / CombineParams add the call's tensors and options.
-// Layouts and offsets: src/kernels/common/layout.cuh.
+// Layouts and offsets: src/kernels/common/buffer_layout.hpp.
 #pragma once
 
 #include <cstdint>
 
 #include "core/limits.hpp"
-#include "kernels/common/layout.cuh"
+#include "kernels/common/buffer_layout.hpp"
 #include "kernels/common/protocol.cuh"
 #include "kernels/common/static_switch.hpp"
 #include "transport/nvlink_team.cuh"

@@ -6,6 +6,7 @@
 //   Workspace     one rank's local scratch: typed POINTERS carved from one allocation, since only this
 //                 rank touches it (carve(shape, nullptr).bytes sizes it, carve(shape, base) carves it)
 //   CallState     the named words a call's kernels pass to each other
+//   HostRecord    what the kernels report to the host, in host-mapped memory
 // Plain integers and pointers only: usable on the host (.cpp included) and in kernels.
 #pragma once
 
@@ -18,6 +19,8 @@
 
 namespace elasticep::kernels {
 
+using detail::MissingPeers;
+using detail::PeerFault;
 using detail::RouteStatus;
 
 struct Shape {
@@ -165,6 +168,25 @@ struct Workspace {
         w.bytes = c.used;
         return w;
     }
+};
+
+// Host-mapped record of one rank (written by the device, read by the host after a sync).
+struct HostRecord {
+    // timeout (first one wins; the buffer is unusable afterwards)
+    int32_t timeout_phase;
+    int32_t pad0;
+    uint64_t timeout_expected;
+    MissingPeers timeout_missing;  // the scan of every peer's flag at expiry
+    // sticky fault of a graph-mode dispatch (cleared by the host in check(), by the device when a
+    // host-sync dispatch reports it)
+    RouteStatus sticky;
+    // host-sync dispatch summary, written by the count exchange
+    int64_t num_rows;    // M
+    int32_t bad_sender;  // first sender whose status is bad, or -1
+    int32_t pad1;
+    RouteStatus bad;  // that sender's status
+    // the first peer datum that failed its check on receipt (sticky; the buffer is unusable after it)
+    PeerFault peer_fault;
 };
 
 }  // namespace elasticep::kernels
