@@ -55,6 +55,11 @@ struct BackendContext {
     uint64_t buffer_id = 0;
 };
 
+// A backend for (kind, topology) from the table in src/core/backends.cpp (kind already resolved:
+// not kAuto); Unsupported for a pair no backend implements (today: every hybrid pair).
+std::unique_ptr<BackendBuffer> make_backend(BackendKind kind, Topology topology, const BackendContext& ctx);
+size_t backend_reservation_bytes(BackendKind kind, Topology topology, const BufferConfig& config, int num_ranks);
+
 std::unique_ptr<BackendBuffer> make_cpu_backend(const BackendContext& ctx);
 size_t cpu_reservation_bytes(const BufferConfig& config, int num_ranks);
 

@@ -91,7 +91,7 @@ class BufferImpl {
         std::string failure;
         ErrorCode failure_code = ErrorCode::kInternal;
         try {
-            impl->backend_ = kind == BackendKind::kCUDA ? make_cuda_backend(ctx) : make_cpu_backend(ctx);
+            impl->backend_ = make_backend(kind, config.topology, ctx);
         } catch (const Error& e) {
             failure = e.message();
             failure_code = e.code();
@@ -305,11 +305,9 @@ BackendKind Buffer::resolve_backend(BackendKind backend) {
 size_t Buffer::reservation_bytes(const BufferConfig& config, int num_ranks, BackendKind backend) {
     config.validate(num_ranks);
     const BackendKind kind = backend == BackendKind::kAuto ? resolve_backend(backend) : backend;
-    if (kind == BackendKind::kCUDA) {
+    if (kind == BackendKind::kCUDA)
         ELASTICEP_CHECK(detail::cuda_backend_compiled(), ErrorCode::kUnsupported, "the CUDA backend is not compiled in");
-        return detail::cuda_reservation_bytes(config, num_ranks);
-    }
-    return detail::cpu_reservation_bytes(config, num_ranks);
+    return detail::backend_reservation_bytes(kind, config.topology, config, num_ranks);
 }
 
 DispatchResult Buffer::dispatch(const DispatchArgs& args) { return impl_->dispatch(args); }
