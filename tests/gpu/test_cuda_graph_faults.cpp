@@ -19,7 +19,8 @@ BufferConfig small_config(Payload payload = Payload::kBF16) {
     return c;
 }
 
-DispatchArgs args_for(const BufferConfig& c, const Inputs& in, const void* x, const void* idx, const void* w, Device d) {
+DispatchArgs args_for(const BufferConfig& c, const Inputs& in, const void* x, const void* idx, const void* w,
+                      Device d) {
     DispatchArgs a;
     a.x = TensorRef::contiguous(const_cast<void*>(x), DType::kBFloat16, {in.t, c.hidden}, d);
     a.topk_idx = TensorRef::contiguous(const_cast<void*>(idx), DType::kInt64, {in.t, c.num_topk}, d);
@@ -92,7 +93,7 @@ void graph_test(int ranks, int gpus, Layout layout) {
             gpu->combine(std::move(res.handle), ca);
         };
         gpu->group()->barrier();  // every rank's allocations done before the first collective
-        step();  // warm-up outside the graph: buffer-owned outputs get their memory here
+        step();                   // warm-up outside the graph: buffer-owned outputs get their memory here
         ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
         cpu_round(*cpu, in, layout, alignment, false);  // keep the CPU group's call count in step
 
@@ -103,8 +104,8 @@ void graph_test(int ranks, int gpus, Layout layout) {
         cudaGraphExec_t exec;
         ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
         for (int replay = 0; replay < 3; ++replay) {
-            Inputs fresh = make_inputs(cfg, t, 900 + static_cast<uint64_t>(replay * 16 + r), false, true, false,
-                                       replay == 1);
+            Inputs fresh =
+                make_inputs(cfg, t, 900 + static_cast<uint64_t>(replay * 16 + r), false, true, false, replay == 1);
             cudaMemcpyAsync(dx.ptr, fresh.x.data(), fresh.x.size() * 2, cudaMemcpyHostToDevice, s);
             cudaMemcpyAsync(didx.ptr, fresh.idx64.data(), fresh.idx64.size() * 8, cudaMemcpyHostToDevice, s);
             cudaMemcpyAsync(dw.ptr, fresh.w.data(), fresh.w.size() * 4, cudaMemcpyHostToDevice, s);
@@ -213,7 +214,7 @@ TEST(CudaBackendFaults, HostSyncInvalidRouteFailsOnEveryRank) {
         Inputs in = make_inputs(cfg, 6, 60 + static_cast<uint64_t>(r), false, true, false);
         if (r == 1) {
             in.idx64[3 * 4 + 1] = in.idx64[3 * 4 + 0] = 5;  // token 3: k=1 repeats k=0
-            in.idx64[4 * 4 + 2] = 99;                        // later, out of range
+            in.idx64[4 * 4 + 2] = 99;                       // later, out of range
         }
         DevBuf dx = DevBuf::upload(in.x), didx = DevBuf::upload(in.idx64), dw = DevBuf::upload(in.w);
         groups[static_cast<size_t>(r)]->barrier();

@@ -172,7 +172,7 @@ class CudaBackend final : public BackendBuffer {
     void check() override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
         sync_last();
-        watch_->raise_if_timed_out();
+        watch_->raise_faults();
         volatile RouteStatus* s = &record_->host()->sticky;
         if (s->kind != kRouteOk) {
             const RouteStatus b{s->kind, s->token, s->k, s->dup_of, s->value, 0, 0};
@@ -183,13 +183,17 @@ class CudaBackend final : public BackendBuffer {
 
     void dispatch(const DispatchRequest& req, HandleState& handle, DispatchResult& result) override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
-        watch_->raise_if_timed_out();
+        watch_->raise_faults();
         const DispatchArgs& a = *req.args;
         cudaStream_t stream = a.stream ? static_cast<cudaStream_t>(a.stream) : own_stream_;
         const bool fp8 = cfg_.payload == Payload::kFP8;
         const int scols = fp8 ? scale_columns(cfg_.scale_format, cfg_.hidden) : 0;
         const bool contiguous = a.layout == Layout::kExpertContiguous;
         const int64_t t_count = req.num_tokens;
+        // the masked slab's rows are int32 in the kernels' route table
+        ELASTICEP_CHECK_ARG(contiguous || int64_t{e_local_} * shape_.slots() < (int64_t{1} << 31),
+                            "dispatch: the masked layout has E_local * R * C = ", int64_t{e_local_} * shape_.slots(),
+                            " rows, beyond int32 row indices; lower max_tokens_per_rank or use the contiguous layout");
 
         cuda::DispatchParams p{};
         fill_common(p, t_count);
@@ -229,7 +233,7 @@ class CudaBackend final : public BackendBuffer {
         int64_t rows_out = contiguous ? req.rows_cap : shape_.slots();
         if (p.host_sync) {
             ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
-            watch_->raise_if_timed_out();
+            watch_->raise_faults();
             const volatile HostRecord* r = record_->host();
             if (r->bad_sender >= 0) {
                 const RouteStatus b{r->bad.kind, r->bad.token, r->bad.k, r->bad.dup_of, r->bad.value, r->bad.sticky, 0};
@@ -260,7 +264,7 @@ class CudaBackend final : public BackendBuffer {
 
     TensorRef combine(HandleState& handle, const CombineArgs& args) override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
-        watch_->raise_if_timed_out();
+        watch_->raise_faults();
         cudaStream_t stream = args.stream ? static_cast<cudaStream_t>(args.stream) : own_stream_;
         const int64_t t_count = handle.num_tokens;
         cuda::CombineParams p{};
@@ -287,7 +291,7 @@ class CudaBackend final : public BackendBuffer {
         meet_peers([&] { cuda::launch_publish(p, stream); }, p, stream, capturing, kPhaseCombine);
         cuda::launch_reduce(p, p.bias != nullptr, grid, stream);
         finish(stream, args.stream == nullptr, capturing);
-        if (args.stream == nullptr) watch_->raise_if_timed_out();
+        if (args.stream == nullptr) watch_->raise_faults();
         return out;
     }
 

@@ -38,6 +38,13 @@ void PeerWatch::raise_if_timed_out() {
           timeout_message(r->timeout_phase, rank_, timeout_.count(), missing, r->timeout_expected) + ". " + diagnose());
 }
 
+void PeerWatch::raise_if_peer_fault() const {
+    const volatile detail::PeerFault* f = &record_->peer_fault;
+    if (f->kind == kPeerOk) return;
+    const PeerFault fault{f->kind, f->sender, f->phase, 0, f->value, f->limit};
+    raise(ErrorCode::kInternal, peer_fault_message(fault, rank_));
+}
+
 void PeerWatch::host_wait(cudaStream_t call_stream, int32_t phase) {
     ELASTICEP_CUDA_CALL(cudaStreamSynchronize(call_stream));
     uint64_t dev_epoch = 0;

@@ -1,4 +1,4 @@
-// Waiting for peers on the host, and reporting every timeout. Shares the device wait's logic and
+// Waiting for peers on the host, and reporting every timeout and peer fault. Shares the device wait's logic and
 // texts (src/core/protocol.hpp: scan_missing, timeout_message) and writes the same HostRecord fields,
 // so a timeout reads the same whichever side detected it.
 //
@@ -31,6 +31,13 @@ class PeerWatch {
     bool timed_out() const;
     // Raises Timeout when a wait (device or host) of this buffer has expired.
     void raise_if_timed_out();
+    // Raises Internal when a peer's datum failed its check on receipt (sticky: the buffer is unusable).
+    void raise_if_peer_fault() const;
+    // Both, timeouts first: what every call checks before it starts and after it synchronised.
+    void raise_faults() {
+        raise_if_timed_out();
+        raise_if_peer_fault();
+    }
 
  private:
     // What this rank sees after a timeout: whether the device copy of the peer table is intact, and

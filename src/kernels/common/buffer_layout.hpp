@@ -143,6 +143,7 @@ struct Workspace {
     int32_t* offsets;                     // [E_local + 1] the offsets output (segment starts)
     int32_t* recv_rows;                   // [R * C][K] the output row of every received route (-1: none)
     int64_t* expert_load;                 // [E_local] cumulative rows received per local expert
+    unsigned* fault_claim;                // [1] 1 once a peer fault is recorded (never reset: the buffer is done)
     int64_t bytes;                        // the whole workspace
 
     // The one list of the pieces: sizes it (base == nullptr) and carves it (base = the allocation).
@@ -165,6 +166,7 @@ struct Workspace {
         w.offsets = c.take<int32_t>(int64_t{s.num_local_experts} + 1);
         w.recv_rows = c.take<int32_t>(s.slots() * s.num_topk);
         w.expert_load = c.take<int64_t>(s.num_local_experts);
+        w.fault_claim = c.take<unsigned>(1);
         w.bytes = c.used;
         return w;
     }

@@ -43,4 +43,20 @@ __device__ WaitStatus wait_all(const Team& team, OffsetOf offset_of, uint64_t ep
     return WaitStatus::kOk;
 }
 
+// A peer's datum failed its check on receipt (protocol.hpp, "Peer data"): the first one of the
+// buffer's life is recorded (claimed in device memory, so any thread of any kernel may call this;
+// only the winner writes the host-mapped record). The caller drops the datum.
+__device__ __forceinline__ void record_peer_fault(const Workspace& ws, HostRecord* rec, int32_t kind, int sender,
+                                                  int32_t phase, int64_t value, int64_t limit) {
+    if (atomicCAS(ws.fault_claim, 0u, 1u) != 0u) return;
+    volatile detail::PeerFault* f = &rec->peer_fault;
+    f->sender = sender;
+    f->phase = phase;
+    f->value = value;
+    f->limit = limit;
+    __threadfence_system();
+    f->kind = kind;
+    __threadfence_system();
+}
+
 }  // namespace elasticep::kernels

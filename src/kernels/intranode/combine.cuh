@@ -98,6 +98,10 @@ __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams<Team
             if constexpr (kWeighted) w = __ldcg(reinterpret_cast<const float*>(msg + m.weight_offset) + lane);
         }
         const int32_t t = __ldcg(reinterpret_cast<const int32_t*>(msg + m.src_offset));
+        if (t < 0 || t >= sh.capacity) {  // dropped by the expand kernel already (a peer fault)
+            if (lane == 0) record_peer_fault(p.ws, p.record, detail::kPeerToken, s, kPhaseCombine, t, sh.capacity);
+            continue;
+        }
         const unsigned routes = __ballot_sync(kFullMask, row >= 0);
         const int n = __popc(routes);
         __syncwarp();  // the previous message's rows are read

@@ -24,6 +24,9 @@
 //                  recv_scales, recv_weights, recv_src, m_indices, ws.recv_rows, then the padding
 //                  rows' metadata (and data with zero_padding). Does nothing after a timeout or a
 //                  rejection.
+// Peer data (counts, per-expert counts, positions, expert ids, source tokens) is checked where it is
+// first read (exchange, expand): a bad value is dropped and recorded as a peer fault naming the sender,
+// so no row index a peer wrote can address outside the outputs.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -363,17 +366,42 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
     __syncthreads();
     if (!ok) return;
     auto flag_of = [&](int s) { return RegionLayout::at<DispatchFlag>(mine, region.dispatch_flag(s, parity)); };
-    // received messages per sender, as an exclusive scan (the expand and partial kernels' work list)
+    auto expert_counts_of = [&](int s) {
+        return reinterpret_cast<volatile int32_t*>(
+            RegionLayout::at<int32_t>(mine, region.expert_counts_row(s, parity)));
+    };
+    // Received messages per sender, checked on receipt: a count outside [0, C], a per-expert count
+    // outside [0, count], or per-expert counts summing above count * min(K, E_local) (a token carries
+    // at most that many routes to one rank) drop the sender (-1 here) and record a peer fault.
     __shared__ int32_t recv_count[kMaxRanks];
-    for (int s = threadIdx.x; s < sh.num_ranks; s += blockDim.x)
-        recv_count[s] = static_cast<int32_t>(reinterpret_cast<volatile int64_t*>(&flag_of(s)->count)[0]);
+    const int64_t routes_per_token = sh.num_topk < sh.num_local_experts ? sh.num_topk : sh.num_local_experts;
+    for (int s = threadIdx.x; s < sh.num_ranks; s += blockDim.x) {
+        const int64_t count = reinterpret_cast<volatile int64_t*>(&flag_of(s)->count)[0];
+        bool ok_sender = count >= 0 && count <= sh.capacity;
+        if (!ok_sender) record_peer_fault(p.ws, p.record, detail::kPeerCount, s, kPhaseDispatch, count, sh.capacity);
+        int64_t sum = 0;
+        for (int l = 0; l < sh.num_local_experts && ok_sender; ++l) {
+            const int64_t c = expert_counts_of(s)[l];
+            sum += c;
+            if (c < 0 || c > count) {
+                record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch, c, count);
+                ok_sender = false;
+            }
+        }
+        if (ok_sender && sum > count * routes_per_token) {
+            record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch, sum,
+                              count * routes_per_token);
+            ok_sender = false;
+        }
+        recv_count[s] = ok_sender ? static_cast<int32_t>(count) : -1;
+    }
+    __syncthreads();
     __shared__ int32_t seg[kMaxLocalExperts];  // rounded segment sizes
     for (int l = threadIdx.x; l < sh.num_local_experts; l += blockDim.x) {
         int32_t total = 0;
         for (int s = 0; s < sh.num_ranks; ++s) {
             p.ws.expert_base[s * sh.num_local_experts + l] = total;
-            total += reinterpret_cast<volatile int32_t*>(
-                RegionLayout::at<int32_t>(mine, region.expert_counts_row(s, parity)))[l];
+            if (recv_count[s] >= 0) total += expert_counts_of(s)[l];
         }
         p.ws.counts[l] = total;
         p.ws.expert_load[l] += total;
@@ -384,7 +412,7 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
         int32_t received = 0;
         for (int s = 0; s < sh.num_ranks; ++s) {
             p.ws.msg_start[s] = received;
-            received += recv_count[s];
+            if (recv_count[s] > 0) received += recv_count[s];
         }
         p.ws.msg_start[sh.num_ranks] = received;
         int32_t at = 0;
@@ -475,17 +503,33 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams<Team
             w = __ldcg(reinterpret_cast<const float*>(msg + m.weight_offset) + lane);
         }
         src_t = __ldcg(reinterpret_cast<const int32_t*>(msg + m.src_offset));
-        const bool local = v >= 0 && v / sh.num_local_experts == rank;
+        // checked on receipt (protocol.hpp, "Peer data"): the source token, every expert id, and the
+        // position of every local route inside the sender's share of its expert; a bad one is dropped
+        const bool token_ok = src_t >= 0 && src_t < sh.capacity;
+        const bool id_ok = !active || (v >= -1 && v < sh.num_experts);
+        if (first && lane == 0 && !token_ok)
+            record_peer_fault(p.ws, p.record, detail::kPeerToken, s, kPhaseDispatch, src_t, sh.capacity);
+        if (first && !id_ok)
+            record_peer_fault(p.ws, p.record, detail::kPeerExpertId, s, kPhaseDispatch, v, sh.num_experts);
+        bool local = token_ok && id_ok && v >= 0 && v / sh.num_local_experts == rank;
         const int l = local ? v % sh.num_local_experts : 0;
         int64_t pos = 0, row = -1;
         if (local) {
-            pos = __ldcg(RegionLayout::at<int32_t>(mine, region.route_pos_row(g)) + lane) +
-                  p.ws.expert_base[s * sh.num_local_experts + l];
-            row = kContiguous ? p.ws.offsets[l] + pos : l * rc + pos;
-            if (first) {
-                p.recv_weights[row] = w;
-                p.recv_src[row] = static_cast<int32_t>(s * sh.capacity + src_t);
-                if constexpr (kContiguous) p.m_indices[row] = l;
+            const int32_t sent_pos = __ldcg(RegionLayout::at<int32_t>(mine, region.route_pos_row(g)) + lane);
+            const int32_t base = p.ws.expert_base[s * sh.num_local_experts + l];
+            const int32_t share =
+                (s + 1 < sh.num_ranks ? p.ws.expert_base[(s + 1) * sh.num_local_experts + l] : p.ws.counts[l]) - base;
+            if (sent_pos < 0 || sent_pos >= share) {
+                if (first) record_peer_fault(p.ws, p.record, detail::kPeerPosition, s, kPhaseDispatch, sent_pos, share);
+                local = false;
+            } else {
+                pos = sent_pos + base;
+                row = kContiguous ? p.ws.offsets[l] + pos : l * rc + pos;
+                if (first) {
+                    p.recv_weights[row] = w;
+                    p.recv_src[row] = static_cast<int32_t>(s * sh.capacity + src_t);
+                    if constexpr (kContiguous) p.m_indices[row] = l;
+                }
             }
         }
         if (active && first) p.ws.recv_rows[g * sh.num_topk + lane] = static_cast<int32_t>(row);
