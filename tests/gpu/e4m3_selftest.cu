@@ -7,7 +7,7 @@
 #include "e4m3_selftest.hpp"
 #include "kernels/common/primitives.cuh"
 
-namespace elasticep::gputest {
+namespace eptest {
 namespace {
 
 __global__ void e4m3_check_kernel(unsigned long long* count, uint32_t* first) {
@@ -15,8 +15,9 @@ __global__ void e4m3_check_kernel(unsigned long long* count, uint32_t* first) {
     for (uint64_t i = (uint64_t{blockIdx.x} * blockDim.x + threadIdx.x) * 2; i < n;
          i += uint64_t{gridDim.x} * blockDim.x * 2) {
         const float a = __uint_as_float(static_cast<uint32_t>(i)), b = __uint_as_float(static_cast<uint32_t>(i + 1));
-        const uint16_t hw = kernels::e4m3x2(a, b);
-        const uint16_t ref = static_cast<uint16_t>(num::float_to_e4m3(a) | (num::float_to_e4m3(b) << 8));
+        const uint16_t hw = elasticep::kernels::e4m3x2(a, b);
+        const uint16_t ref =
+            static_cast<uint16_t>(elasticep::num::float_to_e4m3(a) | (elasticep::num::float_to_e4m3(b) << 8));
         if (hw != ref) {
             const uint32_t bad = (hw & 0xff) != (ref & 0xff) ? static_cast<uint32_t>(i) : static_cast<uint32_t>(i + 1);
             atomicMin(first, bad);
@@ -48,4 +49,4 @@ uint64_t e4m3_mismatches(uint32_t* first) {
     return c;
 }
 
-}  // namespace elasticep::gputest
+}  // namespace eptest

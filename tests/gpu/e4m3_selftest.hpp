@@ -4,9 +4,9 @@
 
 #include <cstdint>
 
-namespace elasticep::gputest {
+namespace eptest {
 
 // The number of fp32 patterns where the two differ; the first one in *first.
 uint64_t e4m3_mismatches(uint32_t* first);
 
-}  // namespace elasticep::gputest
+}  // namespace eptest

@@ -18,7 +18,7 @@
 
 #include "gpu_harness.hpp"
 
-namespace elasticep::gputest {
+namespace eptest {
 namespace {
 
 __global__ void spin_until(volatile int* flag, unsigned long long limit_ns) {
@@ -154,4 +154,4 @@ TEST(CudaProbe, DISABLED_ProbeBlockingCalls) {
 }
 
 }  // namespace
-}  // namespace elasticep::gputest
+}  // namespace eptest

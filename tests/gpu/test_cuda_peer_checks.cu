@@ -16,7 +16,7 @@
 #include "gpu_harness.hpp"
 #include "kernels/common/buffer_layout.hpp"
 
-namespace elasticep::gputest {
+namespace eptest {
 namespace {
 
 using detail::cuda::CombineParams;
@@ -285,4 +285,4 @@ TEST(CudaPeerChecks, ExpertCountsAboveTheRoutesTheMessagesCanCarry) {
 }
 
 }  // namespace
-}  // namespace elasticep::gputest
+}  // namespace eptest
