@@ -1,6 +1,6 @@
 # The two commands of the README, each doing its own set-up on a fresh machine:
 #   make run    build and run `elasticep bench` on its default scenario (CPU backend without a GPU)
-#   make test   build and run every test (CTest labels cpu, gpu, python)
+#   make test   build and run every test (CTest labels cpu, gpu, python, packaging)
 SHELL := /bin/bash
 BUILD ?= build
 BUILD_TYPE ?= Release

@@ -1,29 +1,34 @@
 """Shared pieces of the comparison baselines in bench/ (torch_emulation.py, nccl_alltoall.py).
 
-- The routing generator of `elasticep bench` (tools/inputs.cpp): splitmix64 streams, expert popularity
-  ~ 1/(rank+1)^skew over a seeded permutation, K distinct experts per token drawn by Efraimidis-Spirakis
-  keys, weights 0.05 + U[0,1) normalised per token. The same seed gives the same topk_idx and
-  topk_weights as the C++ bench, so the traffic (messages, bytes) of every baseline equals ElasticEP's.
-- The wire message size of one token (src/core/layout.hpp, MessageLayout) that defines "bytes moved".
+- The routing generator of `elasticep bench` (elasticep/_routing.py, the numpy port of tools/inputs.cpp):
+  the same seed gives the same topk_idx and topk_weights as the C++ bench, so the traffic (messages,
+  bytes) of every baseline equals ElasticEP's.
+- The wire message size and the message counts that define "bytes moved", from the library
+  (include/elasticep/traffic.hpp through elasticep._C.count_traffic).
 - The FP8 quantizer of SEMANTICS.md (f32_g128) written with torch ops.
 - Timing helpers: CUDA events (or perf_counter on CPU), an L2 flush, and statistics.
 
-Only numpy and torch are needed.
+Needs numpy, torch and the elasticep package.
 """
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-MASK64 = (1 << 64) - 1
-GOLDEN = 0x9E3779B97F4A7C15
-STREAM_MUL = 0xD1B54A32D192ED03
-K_EXPERTS, K_X, K_ROUTES, K_WEIGHTS = 1, 2, 3, 4
+# ElasticEP itself (pip install ., or PYTHONPATH=<build>/python): the routing generator and the byte
+# accounting come from it, so the baselines move and count what `elasticep bench` moves and counts.
+try:
+    import elasticep
+    from elasticep import _C
+    from elasticep._routing import expert_popularity, make_routing  # noqa: F401 (used through bc.)
+except ImportError as e:  # pragma: no cover - a setup error, said in one line
+    raise SystemExit(f"bench/: the elasticep package is needed ({e}); pip install . or "
+                     "PYTHONPATH=<build>/python") from None
+
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-4
 SCALE_GROUP = 128
@@ -34,103 +39,26 @@ def round_up(v: int, a: int) -> int:
 
 
 def message_bytes(hidden: int, topk: int, payload_elem_bytes: int, scale_cols: int) -> int:
-    """Bytes of one token on the wire, as MessageLayout::make in src/core/layout.hpp."""
-    return (round_up(hidden * payload_elem_bytes, 16) + round_up(scale_cols * 4, 16) + 2 * round_up(topk * 4, 16)
-            + 16)
+    """Bytes of one token on the wire, from the library (include/elasticep/traffic.hpp).
+
+    fp8 (1-byte payload) here means f32_g128 scales, whose column count must be scale_cols."""
+    payload = "fp8" if payload_elem_bytes == 1 else "bf16"
+    if payload == "fp8" and scale_cols != elasticep.scale_columns("f32_g128", hidden):
+        raise ValueError(f"scale_cols {scale_cols} is not that of f32_g128 at hidden {hidden}")
+    none = np.zeros((0, topk), dtype=np.int64)
+    return _C.count_traffic(1, 0, topk, topk, hidden, payload, "f32_g128", none, False)["message_bytes"]
 
 
-class SplitMix64:
-    """The Rng of tools/inputs.cpp, vectorised: draw i (1-based) mixes state0 + i * GOLDEN."""
-
-    def __init__(self, seed: int, stream: int):
-        self.state = ((seed * GOLDEN) ^ ((stream + 1) * STREAM_MUL)) & MASK64
-
-    def next_u64(self, n: int) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            z = np.uint64(self.state) + np.arange(1, n + 1, dtype=np.uint64) * np.uint64(GOLDEN)
-            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            z = z ^ (z >> np.uint64(31))
-        self.state = (self.state + n * GOLDEN) & MASK64
-        return z
-
-    def next_scalar(self) -> int:
-        self.state = (self.state + GOLDEN) & MASK64
-        z = self.state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-        return z ^ (z >> 31)
-
-    def below(self, n: int) -> int:
-        return ((self.next_scalar() >> 32) * n) >> 32
-
-    def uniform(self, n: int) -> np.ndarray:  # float32 in [0, 1)
-        return (self.next_u64(n) >> np.uint64(40)).astype(np.float32) * np.float32(1.0 / 16777216.0)
-
-    def uniform_open(self, n: int) -> np.ndarray:  # float64 in (0, 1)
-        return ((self.next_u64(n) >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
-
-
-def stream_of(rank: int, stream: int) -> int:
-    return rank * 16 + stream
-
-
-def expert_popularity(num_experts: int, skew: float, seed: int) -> np.ndarray:
-    perm = list(range(num_experts))
-    rng = SplitMix64(seed, stream_of(0, K_EXPERTS))
-    for i in range(num_experts - 1, 0, -1):
-        j = rng.below(i + 1)
-        perm[i], perm[j] = perm[j], perm[i]
-    pop = np.empty(num_experts, dtype=np.float64)
-    for i in range(num_experts):
-        pop[perm[i]] = math.pow(i + 1.0, -skew)
-    return pop
-
-
-def make_routing(rank: int, tokens: int, num_experts: int, topk: int, *, skew: float = 0.8, drop: float = 0.0,
-                 seed: int = 1, weighted: bool = True, popularity: np.ndarray | None = None):
-    """topk_idx [T, K] int64 and topk_weights [T, K] float32 (or None) of one rank, as tools/inputs.cpp."""
-    if popularity is None:
-        popularity = expert_popularity(num_experts, skew, seed)
-    rr = SplitMix64(seed, stream_of(rank, K_ROUTES))
-    per_token = num_experts + (topk if drop > 0.0 else 0)
-    draws = rr.uniform_open(tokens * per_token).reshape(tokens, per_token)
-    keys = -np.log(draws[:, :num_experts]) / popularity[None, :]
-    order = np.argsort(keys, axis=1, kind="stable")[:, :topk]  # ties broken by expert id, as partial_sort of pairs
-    idx = order.astype(np.int64)
-    dropped = np.zeros((tokens, topk), dtype=bool)
-    if drop > 0.0:
-        dropped = draws[:, num_experts:] < drop
-        idx[dropped] = -1
-    weights = None
-    if weighted:
-        wr = SplitMix64(seed, stream_of(rank, K_WEIGHTS))
-        weights = np.zeros((tokens, topk), dtype=np.float32)
-        live = ~dropped
-        weights[live] = np.float32(0.05) + wr.uniform(int(live.sum()))  # row-major = the C++ draw order
-        total = np.zeros(tokens, dtype=np.float32)
-        for j in range(topk):  # float32 sum in k order
-            total = total + weights[:, j]
-        nz = total > 0
-        weights[nz] = weights[nz] / total[nz, None]
-    return idx, weights
-
-
-def traffic(idx_per_rank, num_ranks: int, num_experts: int):
-    """Messages (one per token and destination rank) to peers and to self, and routes, all ranks together."""
-    e_local = num_experts // num_ranks
+def traffic(idx_per_rank, num_ranks: int, num_experts: int, hidden: int = 128, payload: str = "bf16"):
+    """Messages (one per token and destination rank) to peers and to self, and routes, all ranks together:
+    the library's count (include/elasticep/traffic.hpp), as `elasticep bench` reports it."""
     peer = local = routes = 0
     for s, idx in enumerate(idx_per_rank):
-        idx = np.asarray(idx)
-        valid = idx >= 0
-        routes += int(valid.sum())
-        dest = np.where(valid, idx // e_local, -1)
-        for d in range(num_ranks):
-            hit = int((dest == d).any(axis=1).sum())
-            if d == s:
-                local += hit
-            else:
-                peer += hit
+        idx = np.ascontiguousarray(np.asarray(idx), dtype=np.int64)
+        t = _C.count_traffic(num_ranks, s, num_experts, idx.shape[1], hidden, payload, "f32_g128", idx, False)
+        peer += t["peer_messages"]
+        local += t["local_messages"]
+        routes += t["routes"]
     return peer, local, routes
 
 
@@ -246,9 +174,22 @@ def fmt_gbps(nbytes: float, us: float) -> str:
 
 
 def write_json(path: str, obj) -> None:
+    """`--json [FILE]`: FILE, or stdout for "-"."""
+    if path == "-":
+        print(json.dumps(obj, indent=2))
+        return
     with open(path, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")
+
+
+def check_json_path(path) -> None:
+    """Fails at start, not after the run, when `--json FILE` cannot be written."""
+    if path and path != "-":
+        try:
+            open(path, "w").close()
+        except OSError as e:
+            raise SystemExit(f"--json {path}: cannot open it for writing ({e.strerror}); create its folder first")
 
 
 def device_name(device) -> str:

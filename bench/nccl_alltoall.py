@@ -357,7 +357,8 @@ def worker(rank, world, args, local_rank=None):
                 "hidden": args.hidden, "experts": args.experts, "topk": args.topk, "payload": args.payload,
                 "skew": args.skew, "seed": args.seed, "iters": args.iters, "warmup": args.warmup,
                 "l2_flush": not args.no_flush, "phases": results})
-            print(f"wrote {args.json}")
+            if args.json != "-":
+                print(f"wrote {args.json}")
         barrier(device)
     finally:
         dist.destroy_process_group()
@@ -395,15 +396,17 @@ def main(argv=None):
     ap.add_argument("--skew", type=float, default=0.8)
     ap.add_argument("--drop", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", "--iters", dest="iters", type=int, default=20, help="timed rounds (as elasticep bench)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-flush", action="store_true", help="skip the L2 flush between iterations")
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None,
                     help="cuda = NCCL, one GPU per rank (default when a GPU is present); cpu = gloo")
-    ap.add_argument("--json", default=None, help="rank 0 writes the results to this file")
+    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                    help="rank 0 writes the results as JSON to FILE (stdout without FILE)")
     ap.add_argument("--check", action="store_true",
                     help="first verify one dispatch + combine against regenerated values (exit code 1 on mismatch)")
     args = ap.parse_args(argv)
+    bc.check_json_path(args.json)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.payload == "fp8" and args.hidden % bc.SCALE_GROUP:
         raise SystemExit(f"--hidden {args.hidden} is not a multiple of {bc.SCALE_GROUP}")

@@ -645,18 +645,21 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", choices=["contiguous", "masked"], default="contiguous")
     ap.add_argument("--alignment", type=int, default=1, help="expert_alignment of the contiguous layout")
     ap.add_argument("--zero-padding", action="store_true", help="masked layout: zero the slab first")
-    ap.add_argument("--unweighted", action="store_true", help="no route weights (combine sums)")
+    ap.add_argument("--no-weights", "--unweighted", dest="unweighted", action="store_true",
+                    help="no route weights (combine sums)")
     ap.add_argument("--skew", type=float, default=0.8, help="expert popularity skew (as elasticep bench)")
     ap.add_argument("--drop", type=float, default=0.0, help="probability that a route is -1")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", "--iters", dest="iters", type=int, default=20, help="timed rounds (as elasticep bench)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-flush", action="store_true", help="skip the L2 flush between iterations")
     ap.add_argument("--no-hbm", action="store_true", help="skip the HBM copy measurement")
     ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
-    ap.add_argument("--json", default=None, help="write the results to this file")
+    ap.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                    help="write the results as JSON to FILE (stdout without FILE)")
     ap.add_argument("--self-check", action="store_true", help="check the emulation against the oracle and exit")
     args = ap.parse_args(argv)
+    bc.check_json_path(args.json)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -700,7 +703,8 @@ def main(argv=None) -> int:
         report["phases"].append(res)
     if args.json:
         bc.write_json(args.json, report)
-        print(f"wrote {args.json}")
+        if args.json != "-":
+            print(f"wrote {args.json}")
     return 0
 
 

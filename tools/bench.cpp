@@ -1,7 +1,14 @@
-// `elasticep bench`: ranks are threads of this process (ThreadGroup), one Buffer each. Every
-// round: barrier, timed dispatch, verification against the oracle, the stand-in expert computes
-// y from what arrived, barrier, timed combine, verification. Verification reads the outputs
-// between the timed calls, so it never counts as latency.
+// `elasticep bench`: ranks are threads of this process (ThreadGroup), one Buffer each, in up to
+// three timing modes per scenario:
+//   isolated      every round: barrier, timed dispatch, verification against the oracle, barrier,
+//                 timed combine, verification (warm-up rounds first, verified too);
+//   back-to-back  `rounds` dispatch + combine pairs enqueued without host synchronisation (the
+//                 protocol alone keeps the ranks in step), a mark between every two calls; every
+//                 combine output and the last dispatch's outputs verified afterwards;
+//   graph         (CUDA, --graph) one dispatch + combine captured into a CUDA graph, replayed
+//                 isolated (barrier before each replay) and back to back; its outputs verified.
+// The stand-in expert computes y once, from the first (verified) dispatch: the inputs are the same
+// every round, so are the outputs. Verification reads outputs between timed calls, never inside.
 #include "bench.hpp"
 
 #include <algorithm>
@@ -19,6 +26,8 @@
 #include "elasticep/buffer.hpp"
 #include "elasticep/error.hpp"
 #include "elasticep/group.hpp"
+#include "elasticep/limits.hpp"
+#include "elasticep/traffic.hpp"
 #include "elasticep/version.hpp"
 #include "inputs.hpp"
 
@@ -75,7 +84,7 @@ std::string hex(uint32_t v) {
 
 // One rank's dispatch result against the oracle's expectation, element by element.
 Mismatch verify_dispatch(const Scenario& s, const BufferConfig& cfg, const DispatchResult& res,
-                         const reference::RankDispatch& want, BenchMemory& mem) {
+                         const reference::RankDispatch& want, RankDevice& mem) {
     Mismatch mm;
     const int e_local = cfg.num_experts / s.num_ranks;
     const bool contiguous = s.layout == Layout::kExpertContiguous;
@@ -177,10 +186,33 @@ void expert_outputs(const BufferConfig& cfg, int rank, int e_local, int64_t rows
     }
 }
 
+// One rank's combine output against the oracle's.
+Mismatch verify_combine(const TensorRef& out, int64_t t_count, int64_t h, const std::vector<uint16_t>& want,
+                        RankDevice& mem) {
+    Mismatch mm;
+    if (out.shape != std::vector<int64_t>{t_count, h})
+        return mm.add("out is ", out.describe(), ", want [", t_count, ", ", h, "]"), mm;
+    const auto* o = static_cast<const uint16_t*>(mem.fetch(out, span_bytes(out), 7));
+    for (int64_t t = 0; t < t_count; ++t)
+        for (int64_t c = 0; c < h; ++c) {
+            const uint16_t g = o[t * out.stride(0) + c];
+            const uint16_t e = want[static_cast<size_t>(t * h + c)];
+            if (g != e)
+                mm.add("out[", t, ", ", c, "] = ", hex(g), " (", num::bf16_to_float(g), "), want ", hex(e), " (",
+                       num::bf16_to_float(e), ")");
+        }
+    return mm;
+}
+
+// Per rank: latencies per call of every mode, and the outcome of every check.
 struct RankRecord {
-    std::vector<double> dispatch_us, combine_us;  // per round, warm-up included
-    std::vector<char> dispatch_ok, combine_ok;
+    std::vector<double> dispatch_us, combine_us;  // isolated, warm-up included
+    std::vector<double> b2b_dispatch_us, b2b_combine_us;
+    std::vector<double> graph_us, b2b_graph_us;  // graph: warm-up included
+    // one entry per check, in the same order on every rank: 1 = the output matched the oracle
+    std::vector<char> dispatch_checks, combine_checks, graph_checks;
     std::vector<std::string> failures;
+    int num_sms = 0;
 };
 
 double median(std::vector<double> v) {
@@ -190,30 +222,65 @@ double median(std::vector<double> v) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-void summarize(PhaseStats& p, const std::vector<RankRecord>& recs, bool dispatch, int warmup, int rounds,
-               int64_t peer_bytes, int64_t local_bytes) {
-    for (int r = warmup; r < warmup + rounds; ++r) {
+// Timing over the rounds [skip, end) of one series, the slowest rank per round.
+Timing timing(const std::vector<RankRecord>& recs, std::vector<double> RankRecord::*series, int skip) {
+    Timing t;
+    const size_t n = recs.empty() ? 0 : (recs[0].*series).size();
+    for (size_t r = static_cast<size_t>(skip); r < n; ++r) {
         std::vector<double> ranks;
-        for (const auto& rec : recs)
-            ranks.push_back((dispatch ? rec.dispatch_us : rec.combine_us)[static_cast<size_t>(r)]);
-        p.rank_us.push_back(ranks);
-        p.round_us.push_back(*std::max_element(ranks.begin(), ranks.end()));
+        for (const auto& rec : recs) ranks.push_back((rec.*series)[r]);
+        t.rank_us.push_back(ranks);
+        t.round_us.push_back(*std::max_element(ranks.begin(), ranks.end()));
     }
-    for (int r = 0; r < warmup + rounds; ++r) {
-        bool ok = true;
-        for (const auto& rec : recs) ok = ok && (dispatch ? rec.dispatch_ok : rec.combine_ok)[static_cast<size_t>(r)];
-        ++(ok ? p.rounds_verified : p.rounds_failed);
-    }
-    p.median_us = median(p.round_us);
-    p.mean_us = std::accumulate(p.round_us.begin(), p.round_us.end(), 0.0) / std::max<size_t>(1, p.round_us.size());
-    p.min_us = *std::min_element(p.round_us.begin(), p.round_us.end());
-    p.max_us = *std::max_element(p.round_us.begin(), p.round_us.end());
+    if (t.round_us.empty()) return t;
+    t.median_us = median(t.round_us);
+    t.mean_us = std::accumulate(t.round_us.begin(), t.round_us.end(), 0.0) / static_cast<double>(t.round_us.size());
+    t.min_us = *std::min_element(t.round_us.begin(), t.round_us.end());
+    t.max_us = *std::max_element(t.round_us.begin(), t.round_us.end());
+    return t;
+}
+
+void set_bytes(PhaseStats& p, int64_t peer_messages, int64_t local_messages, int64_t peer_bytes, int64_t local_bytes,
+               int64_t hbm_bytes, double hbm_gbps) {
+    p.peer_messages = peer_messages;
+    p.local_messages = local_messages;
     p.peer_bytes = peer_bytes;
     p.local_bytes = local_bytes;
-    if (p.median_us > 0) {
-        p.peer_gbps = static_cast<double>(peer_bytes) / (p.median_us * 1e3);
-        p.total_gbps = static_cast<double>(peer_bytes + local_bytes) / (p.median_us * 1e3);
+    p.hbm_bytes = hbm_bytes;
+    if (p.isolated.median_us > 0) {
+        p.peer_gbps = static_cast<double>(peer_bytes) / (p.isolated.median_us * 1e3);
+        p.total_gbps = static_cast<double>(peer_bytes + local_bytes) / (p.isolated.median_us * 1e3);
     }
+    if (hbm_gbps > 0) p.hbm_floor_us = static_cast<double>(hbm_bytes) / (hbm_gbps * 1e3);
+}
+
+// A check counts as verified when the output of every rank matched.
+void tally(PhaseStats& p, const std::vector<RankRecord>& recs, std::vector<char> RankRecord::*checks) {
+    const size_t n = (recs[0].*checks).size();
+    for (size_t i = 0; i < n; ++i) {
+        const bool ok = std::all_of(recs.begin(), recs.end(), [&](const RankRecord& rec) { return (rec.*checks)[i]; });
+        ++(ok ? p.rounds_verified : p.rounds_failed);
+    }
+}
+
+[[noreturn]] void rethrow_cause(const std::vector<std::exception_ptr>& errors) {
+    // A failing rank makes its peers time out; report the cause, not the consequence.
+    std::exception_ptr first, first_timeout;
+    for (const auto& e : errors) {
+        if (!e) continue;
+        try {
+            std::rethrow_exception(e);
+        } catch (const Error& err) {
+            if (err.code() == ErrorCode::kTimeout) {
+                if (!first_timeout) first_timeout = e;
+                continue;
+            }
+            if (!first) first = e;
+        } catch (...) {
+            if (!first) first = e;
+        }
+    }
+    std::rethrow_exception(first ? first : first_timeout);
 }
 
 }  // namespace
@@ -241,8 +308,8 @@ std::vector<int64_t> Scenario::tokens_per_rank() const {
 
 void Scenario::validate() const {
     using std::to_string;
-    if (num_ranks < 1) bad_option("--ranks " + to_string(num_ranks) + " must be at least 1");
-    if (tokens < 0) bad_option("--tokens " + to_string(tokens) + " must be >= 0");
+    if (num_ranks < 1) bad_option("--ranks must be >= 1, got " + to_string(num_ranks));
+    if (tokens < 0) bad_option("--tokens must be >= 0, got " + to_string(tokens));
     if (tokens_min > tokens)
         bad_option("--tokens-min " + to_string(tokens_min) + " exceeds --tokens " + to_string(tokens));
     if (capacity > 0 && capacity < tokens)
@@ -253,21 +320,31 @@ void Scenario::validate() const {
     if (num_topk > num_experts)
         bad_option("--topk " + to_string(num_topk) + " exceeds --experts " + to_string(num_experts) +
                    " (a token's experts are distinct)");
-    if (alignment < 1) bad_option("--alignment " + to_string(alignment) + " must be >= 1");
-    if (rounds < 1) bad_option("--rounds must be at least 1");
-    if (warmup < 0) bad_option("--warmup must be >= 0");
+    if (alignment < 1 || alignment > kMaxExpertAlignment)
+        bad_option("--alignment must be in [1, " + to_string(kMaxExpertAlignment) + "], got " + to_string(alignment));
+    if (num_gpus < 1) bad_option("--gpus must be >= 1, got " + to_string(num_gpus));
+    if (num_gpus > num_ranks)
+        bad_option("--gpus " + to_string(num_gpus) + " exceeds --ranks " + to_string(num_ranks) +
+                   " (a GPU without a rank); lower --gpus or raise --ranks");
+    if (graph && layout == Layout::kExpertContiguous && host_sync)
+        bad_option("--graph: a captured dispatch cannot return M to the host; add --graph-mode or use --layout masked");
+    if (rounds < 1) bad_option("--rounds must be >= 1, got " + to_string(rounds));
+    if (warmup < 0) bad_option("--warmup must be >= 0, got " + to_string(warmup));
     if (prequantized && payload != Payload::kFP8) bad_option("--prequantized needs --payload fp8");
     if (!(skew >= 0.0)) bad_option("--skew must be >= 0");
     if (!(drop >= 0.0 && drop <= 1.0)) bad_option("--drop must be in [0, 1]");
-    if (timeout_ms < 1) bad_option("--timeout-ms must be positive");
+    if (!(hbm_gbps >= 0.0)) bad_option("--hbm-gbps must be >= 0 (0 = measure)");
+    if (timeout_ms < 1) bad_option("--timeout-ms must be >= 1, got " + to_string(timeout_ms));
     if (inject_mismatch < 0 || inject_mismatch > 2) bad_option("--inject-mismatch must be none, dispatch or combine");
-    if (inject_mismatch != 0 && (!verify || rounds < 1)) bad_option("--inject-mismatch needs verification on");
+    if (inject_mismatch != 0 && !verify) bad_option("--inject-mismatch needs verification on");
     buffer_config().validate(num_ranks);
 }
 
 std::string Scenario::describe() const {
     std::ostringstream os;
-    os << num_ranks << " ranks, T=" << tokens;
+    os << num_ranks << " ranks";
+    if (backend == BackendKind::kCUDA) os << " on " << num_gpus << (num_gpus == 1 ? " GPU" : " GPUs");
+    os << ", T=" << tokens;
     if (tokens_min >= 0) os << ".." << tokens_min;
     os << "/rank";
     if (capacity > 0 && capacity != tokens) os << " (C=" << capacity << ")";
@@ -280,9 +357,24 @@ std::string Scenario::describe() const {
     if (zero_padding) os << ", zero padding";
     if (scales_mn_major) os << ", MN-major scales";
     os << ", " << (weighted ? "weighted" : "unweighted") << (bias ? " + bias" : "");
+    if (skew != 0.8) os << ", skew " << skew;
     if (drop > 0) os << ", drop " << drop;
     os << ", idx " << (idx_int64 ? "int64" : "int32");
     return os.str();
+}
+
+std::vector<Scenario> Sweep::points() const {
+    std::vector<Scenario> out;
+    const std::vector<int> ts = tokens.empty() ? std::vector<int>{base.tokens} : tokens;
+    const std::vector<int> sms = num_sms.empty() ? std::vector<int>{base.num_sms} : num_sms;
+    for (int t : ts)
+        for (int m : sms) {
+            Scenario s = base;
+            s.tokens = t;
+            s.num_sms = m;
+            out.push_back(s);
+        }
+    return out;
 }
 
 BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
@@ -291,10 +383,14 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
     BenchReport rep;
     rep.scenario = s;
     rep.backend = Buffer::resolve_backend(s.backend);
+    rep.scenario.backend = rep.backend;
     if (!Buffer::backend_available(rep.backend))
         throw Error(ErrorCode::kUnsupported, std::string("backend ") + backend_name(rep.backend) +
                                                  " is not available here (" + build_backends() +
                                                  " compiled; see `elasticep info`); use --backend cpu");
+    const bool cuda = rep.backend == BackendKind::kCUDA;
+    if (!cuda && s.graph) bad_option("--graph times a CUDA-graph replay: it needs --backend cuda");
+    if (!cuda && s.num_gpus > 1) bad_option("--gpus " + std::to_string(s.num_gpus) + " needs --backend cuda");
     const BufferConfig cfg = s.buffer_config();
     const int nr = s.num_ranks;
     const int e_local = cfg.num_experts / nr;
@@ -306,11 +402,21 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
     const int cols = fp8 ? scale_columns(cfg.scale_format, cfg.hidden) : 0;
     const int total_rounds = s.warmup + s.rounds;
     rep.tokens = s.tokens_per_rank();
-    rep.message_bytes = MessageLayout::make(cfg.hidden, k, fp8 ? 1 : 2, cols).bytes;
 
     const std::vector<RankData> data = make_inputs(s);
-    const Traffic traffic = count_traffic(s, data);
-    rep.rows_received = traffic.routes;
+    for (int r = 0; r < nr; ++r) {
+        const reference::RankInput& in = data[static_cast<size_t>(r)].input;
+        auto idx = const_cast<int64_t*>(in.topk_idx.data());
+        rep.traffic +=
+            count_traffic(cfg, nr, r, TensorRef::contiguous(idx, DType::kInt64, {in.num_tokens, k}), s.prequantized);
+    }
+    if (cuda) {
+        rep.gpu = gpu_name(0);
+        if (s.num_gpus == 1) {  // the HBM floor: every rank's traffic goes through one GPU's memory
+            rep.hbm_measured = s.hbm_gbps <= 0;
+            rep.hbm_gbps = rep.hbm_measured ? measure_copy_gbps(0) : s.hbm_gbps;
+        }
+    }
     rep.setup_s = seconds_since(t_start);
 
     // The oracle, once: the inputs are the same every round, and so must every round's outputs be.
@@ -347,8 +453,7 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
     // the rank whose output the verifier self-test alters: the first with a real row / a token
     int inject_rank = -1;
     if (s.verify && s.inject_mismatch != 0) {
-        if (rep.backend != BackendKind::kCPU)
-            throw Error(ErrorCode::kUnsupported, "--inject-mismatch alters host memory: use --backend cpu");
+        if (cuda) throw Error(ErrorCode::kUnsupported, "--inject-mismatch alters host memory: use --backend cpu");
         for (int r = 0; r < nr && inject_rank < 0; ++r) {
             const bool has = s.inject_mismatch == 1
                                  ? std::count(want_dispatch[static_cast<size_t>(r)].row_is_real.begin(),
@@ -363,129 +468,191 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
     auto groups = ThreadGroup::create(nr, std::chrono::milliseconds(s.timeout_ms));
     std::vector<RankRecord> recs(static_cast<size_t>(nr));
     std::vector<std::exception_ptr> errors(static_cast<size_t>(nr));
-    std::vector<std::thread> threads;
 
     auto run_rank = [&](int r) {
         const RankData& in = data[static_cast<size_t>(r)];
         RankRecord& rec = recs[static_cast<size_t>(r)];
         auto& group = groups[static_cast<size_t>(r)];
-        auto mem = make_bench_memory(rep.backend, r);
-        auto timer = make_phase_timer(rep.backend);
-        auto buf = Buffer::create(group, cfg, rep.backend);
+        auto dev = make_rank_device(rep.backend, r, s.num_gpus);
+        BufferConfig rank_cfg = cfg;
+        rank_cfg.device = dev->device();
+        auto buf = Buffer::create(group, rank_cfg, rep.backend);
         const int64_t t_count = in.input.num_tokens;
 
         DispatchArgs args;
         if (s.prequantized) {
-            args.x = mem->upload(in.input.x_fp8.data(), DType::kFloat8E4M3, {t_count, h});
-            args.x_scales = mem->upload(in.input.x_scales.data(),
+            args.x = dev->upload(in.input.x_fp8.data(), DType::kFloat8E4M3, {t_count, h});
+            args.x_scales = dev->upload(in.input.x_scales.data(),
                                         cfg.scale_format == ScaleFormat::kF32G128 ? DType::kFloat32 : DType::kInt32,
                                         {t_count, cols});
         } else {
-            args.x = mem->upload(in.input.x.data(), DType::kBFloat16, {t_count, h});
+            args.x = dev->upload(in.input.x.data(), DType::kBFloat16, {t_count, h});
         }
-        args.topk_idx = s.idx_int64 ? mem->upload(in.input.topk_idx.data(), DType::kInt64, {t_count, k})
-                                    : mem->upload(in.idx32.data(), DType::kInt32, {t_count, k});
-        if (s.weighted) args.topk_weights = mem->upload(in.input.topk_weights.data(), DType::kFloat32, {t_count, k});
+        args.topk_idx = s.idx_int64 ? dev->upload(in.input.topk_idx.data(), DType::kInt64, {t_count, k})
+                                    : dev->upload(in.idx32.data(), DType::kInt32, {t_count, k});
+        if (s.weighted) args.topk_weights = dev->upload(in.input.topk_weights.data(), DType::kFloat32, {t_count, k});
         args.layout = s.layout;
         args.expert_alignment = s.alignment;
         args.host_sync = s.host_sync;
         args.zero_padding = s.zero_padding;
         args.scales_mn_major = s.scales_mn_major;
-        args.stream = mem->stream();
+        args.stream = dev->stream();
 
         CombineArgs cargs;
         cargs.weighted = s.weighted;
-        if (s.bias) cargs.bias = mem->upload(in.bias.data(), DType::kBFloat16, {t_count, h});
-        cargs.stream = mem->stream();
-        std::vector<uint16_t> y_host;
-        TensorRef y_dev;
+        if (s.bias) cargs.bias = dev->upload(in.bias.data(), DType::kBFloat16, {t_count, h});
+        cargs.stream = dev->stream();
+        // caller-provided outputs: one for the isolated rounds, one per back-to-back round (each is
+        // verified after the run), one for the graph
+        const TensorRef out_iso = dev->scratch(DType::kBFloat16, {t_count, h});
+        std::vector<TensorRef> out_b2b;
+        if (s.back_to_back)
+            for (int i = 0; i < s.rounds; ++i) out_b2b.push_back(dev->scratch(DType::kBFloat16, {t_count, h}));
+        const TensorRef out_graph = s.graph ? dev->scratch(DType::kBFloat16, {t_count, h}) : TensorRef{};
+        const reference::RankDispatch* want = s.verify ? &want_dispatch[static_cast<size_t>(r)] : nullptr;
+        const std::vector<uint16_t>* want_o = s.verify ? &want_out[static_cast<size_t>(r)] : nullptr;
 
+        auto check_dispatch = [&](const DispatchResult& res, const std::string& what) {
+            if (!want) return true;
+            const Mismatch mm = verify_dispatch(s, cfg, res, *want, *dev);
+            if (mm.count && rec.failures.size() < kMaxFailures)
+                rec.failures.push_back(what + " rank " + std::to_string(r) + " dispatch: " + mm.first + " (" +
+                                       std::to_string(mm.count) + " mismatches)");
+            return mm.count == 0;
+        };
+        auto check_combine = [&](const TensorRef& out, const std::string& what) {
+            if (!want_o) return true;
+            const Mismatch mm = verify_combine(out, t_count, h, *want_o, *dev);
+            if (mm.count && rec.failures.size() < kMaxFailures)
+                rec.failures.push_back(what + " rank " + std::to_string(r) + " combine: " + mm.first + " (" +
+                                       std::to_string(mm.count) + " mismatches)");
+            return mm.count == 0;
+        };
+
+        std::vector<uint16_t> y_host;  // the expert outputs (the CPU backend reads them in place)
+
+        // ---- isolated rounds ----
         for (int round = 0; round < total_rounds; ++round) {
             const auto t_round = Clock::now();
+            const std::string what = "round " + std::to_string(round);
+            dev->synchronize();
             group->barrier();
-            timer->start(args.stream);
+            dev->mark(0);
             DispatchResult res = buf->dispatch(args);
-            rec.dispatch_us.push_back(timer->stop_us(args.stream));
-
-            bool ok = true;
-            if (s.verify && s.inject_mismatch == 1 && round == s.warmup && r == inject_rank) {
+            dev->mark(1);
+            dev->synchronize();
+            rec.dispatch_us.push_back(dev->elapsed_us(0, 1));
+            if (round == 0) {
+                rec.num_sms = res.handle.num_sms();
+                // the stand-in expert, on this rank's own rows, once (outside every timed call)
+                const int64_t rows = contiguous ? res.recv_x.size(0) : int64_t{e_local} * rc;
+                y_host.assign(static_cast<size_t>(rows * h), 0);
+                const RowAddress at{!contiguous, rc};
+                const auto* x = static_cast<const uint8_t*>(dev->fetch(res.recv_x, span_bytes(res.recv_x), 2));
+                const auto* sc =
+                    fp8 ? static_cast<const uint32_t*>(dev->fetch(*res.recv_scales, span_bytes(*res.recv_scales), 6))
+                        : nullptr;
+                const int32_t* mi =
+                    contiguous ? static_cast<const int32_t*>(dev->fetch(res.m_indices, span_bytes(res.m_indices), 5))
+                               : nullptr;
+                const auto* counts = static_cast<const int32_t*>(dev->fetch(res.counts, span_bytes(res.counts), 0));
+                expert_outputs(
+                    cfg, r, e_local, rows, x, [&](int64_t row) { return at(res.recv_x, row, 0); },
+                    [&](int64_t row, int c) { return sc[at(*res.recv_scales, row, c)]; },
+                    [&](int64_t row) -> int {
+                        if (contiguous) return mi[row * res.m_indices.stride(0)];
+                        const int l = static_cast<int>(row / rc);
+                        return row % rc < counts[l] ? l : -1;
+                    },
+                    y_host.data(), contiguous);
+                cargs.y = dev->upload(y_host.data(), DType::kBFloat16, res.recv_x.shape);
+            }
+            if (s.inject_mismatch == 1 && round == s.warmup && r == inject_rank) {
                 // flip a bit of the first real row's first byte (host memory on the CPU backend)
-                const auto& want = want_dispatch[static_cast<size_t>(r)];
-                const auto real = std::find(want.row_is_real.begin(), want.row_is_real.end(), 1);
-                const int64_t row = real - want.row_is_real.begin();
+                const auto real = std::find(want->row_is_real.begin(), want->row_is_real.end(), 1);
+                const int64_t row = real - want->row_is_real.begin();
                 static_cast<uint8_t*>(res.recv_x.data)[RowAddress{!contiguous, rc}(res.recv_x, row, 0) *
                                                        static_cast<int64_t>(dtype_size(res.recv_x.dtype))] ^= 0x01;
             }
-            if (s.verify) {
-                const Mismatch mm = verify_dispatch(s, cfg, res, want_dispatch[static_cast<size_t>(r)], *mem);
-                ok = mm.count == 0;
-                if (!ok && rec.failures.size() < kMaxFailures)
-                    rec.failures.push_back("round " + std::to_string(round) + " rank " + std::to_string(r) +
-                                           " dispatch: " + mm.first + " (" + std::to_string(mm.count) + " mismatches)");
-            }
-            rec.dispatch_ok.push_back(ok);
+            rec.dispatch_checks.push_back(check_dispatch(res, what));
 
-            // the stand-in expert, on this rank's own rows
-            const int64_t rows = contiguous ? res.recv_x.size(0) : int64_t{e_local} * rc;
-            const bool reshape = y_dev.shape != res.recv_x.shape;
-            if (reshape) {
-                y_host.assign(static_cast<size_t>(rows * h), 0);
-                y_dev = mem->scratch(DType::kBFloat16, res.recv_x.shape);
-            }
-            const RowAddress at{!contiguous, rc};
-            const auto* x = static_cast<const uint8_t*>(mem->fetch(res.recv_x, span_bytes(res.recv_x), 2));
-            const auto* sc =
-                fp8 ? static_cast<const uint32_t*>(mem->fetch(*res.recv_scales, span_bytes(*res.recv_scales), 6))
-                    : nullptr;
-            const int32_t* mi =
-                contiguous ? static_cast<const int32_t*>(mem->fetch(res.m_indices, span_bytes(res.m_indices), 5))
-                           : nullptr;
-            const auto* counts = static_cast<const int32_t*>(mem->fetch(res.counts, span_bytes(res.counts), 0));
-            expert_outputs(
-                cfg, r, e_local, rows, x, [&](int64_t row) { return at(res.recv_x, row, 0); },
-                [&](int64_t row, int c) { return sc[at(*res.recv_scales, row, c)]; },
-                [&](int64_t row) -> int {
-                    if (contiguous) return mi[row * res.m_indices.stride(0)];
-                    const int l = static_cast<int>(row / rc);
-                    return row % rc < counts[l] ? l : -1;
-                },
-                y_host.data(), contiguous);
-            mem->refresh(y_dev, y_host.data());
-            cargs.y = y_dev;
-
+            cargs.out = out_iso;
+            dev->synchronize();
             group->barrier();
-            timer->start(cargs.stream);
+            dev->mark(2);
             CombineResult out = buf->combine(std::move(res.handle), cargs);
-            rec.combine_us.push_back(timer->stop_us(cargs.stream));
-
-            ok = true;
-            if (s.verify && s.inject_mismatch == 2 && round == s.warmup && r == inject_rank)
+            dev->mark(3);
+            dev->synchronize();
+            rec.combine_us.push_back(dev->elapsed_us(2, 3));
+            if (s.inject_mismatch == 2 && round == s.warmup && r == inject_rank)
                 static_cast<uint16_t*>(out.out.data)[0] ^= 0x0001;
-            if (s.verify) {
-                Mismatch mm;
-                if (out.out.shape != std::vector<int64_t>{t_count, h}) {
-                    mm.add("out is ", out.out.describe(), ", want [", t_count, ", ", h, "]");
-                } else {
-                    const auto* o = static_cast<const uint16_t*>(mem->fetch(out.out, span_bytes(out.out), 7));
-                    const std::vector<uint16_t>& want = want_out[static_cast<size_t>(r)];
-                    for (int64_t t = 0; t < t_count; ++t)
-                        for (int64_t c = 0; c < h; ++c) {
-                            const uint16_t g = o[t * out.out.stride(0) + c];
-                            const uint16_t e = want[static_cast<size_t>(t * h + c)];
-                            if (g != e)
-                                mm.add("out[", t, ", ", c, "] = ", hex(g), " (", num::bf16_to_float(g), "), want ",
-                                       hex(e), " (", num::bf16_to_float(e), ")");
-                        }
-                }
-                ok = mm.count == 0;
-                if (!ok && rec.failures.size() < kMaxFailures)
-                    rec.failures.push_back("round " + std::to_string(round) + " rank " + std::to_string(r) +
-                                           " combine: " + mm.first + " (" + std::to_string(mm.count) + " mismatches)");
-            }
-            rec.combine_ok.push_back(ok);
+            rec.combine_checks.push_back(check_combine(out.out, what));
             if (r == 0 && progress) progress(round, total_rounds, seconds_since(t_round));
         }
+        buf->check();
+
+        // ---- back to back: no host synchronisation between the calls ----
+        if (s.back_to_back) {
+            dev->synchronize();
+            group->barrier();
+            DispatchResult last;
+            for (int i = 0; i < s.rounds; ++i) {
+                dev->mark(3 * i);
+                DispatchResult res = buf->dispatch(args);
+                dev->mark(3 * i + 1);
+                cargs.out = out_b2b[static_cast<size_t>(i)];
+                buf->combine(std::move(res.handle), cargs);
+                dev->mark(3 * i + 2);
+                if (i == s.rounds - 1) last = std::move(res);
+            }
+            dev->synchronize();
+            for (int i = 0; i < s.rounds; ++i) {
+                rec.b2b_dispatch_us.push_back(dev->elapsed_us(3 * i, 3 * i + 1));
+                rec.b2b_combine_us.push_back(dev->elapsed_us(3 * i + 1, 3 * i + 2));
+            }
+            rec.dispatch_checks.push_back(check_dispatch(last, "back-to-back round " + std::to_string(s.rounds - 1)));
+            for (int i = 0; i < s.rounds; ++i)
+                rec.combine_checks.push_back(
+                    check_combine(out_b2b[static_cast<size_t>(i)], "back-to-back round " + std::to_string(i)));
+            buf->check();
+        }
+
+        // ---- a captured dispatch + combine, replayed ----
+        if (s.graph) {
+            dev->synchronize();
+            group->barrier();
+            DispatchResult gres;
+            auto replay = dev->capture([&] {
+                gres = buf->dispatch(args);
+                cargs.out = out_graph;
+                buf->combine(std::move(gres.handle), cargs);
+            });
+            for (int round = 0; round < total_rounds; ++round) {
+                dev->synchronize();
+                group->barrier();
+                dev->mark(0);
+                replay->launch();
+                dev->mark(1);
+                dev->synchronize();
+                rec.graph_us.push_back(dev->elapsed_us(0, 1));
+            }
+            dev->synchronize();
+            group->barrier();
+            for (int i = 0; i < s.rounds; ++i) {
+                dev->mark(i);
+                replay->launch();
+            }
+            dev->mark(s.rounds);
+            dev->synchronize();
+            for (int i = 0; i < s.rounds; ++i) rec.b2b_graph_us.push_back(dev->elapsed_us(i, i + 1));
+            const bool d_ok = check_dispatch(gres, "graph replay");
+            const bool c_ok = check_combine(out_graph, "graph replay");
+            rec.graph_checks.push_back(d_ok && c_ok);
+            buf->check();
+        }
+        group->barrier();  // no rank frees its memory while a peer may still read it
     };
+    std::vector<std::thread> threads;
     for (int r = 0; r < nr; ++r)
         threads.emplace_back([&, r] {
             try {
@@ -495,40 +662,39 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
             }
         });
     for (auto& t : threads) t.join();
-    // A failing rank makes its peers time out; report the cause, not the consequence.
-    std::exception_ptr first, first_timeout;
-    for (auto& e : errors) {
-        if (!e) continue;
-        try {
-            std::rethrow_exception(e);
-        } catch (const Error& err) {
-            if (err.code() == ErrorCode::kTimeout) {
-                if (!first_timeout) first_timeout = e;
-                continue;
-            }
-            if (!first) first = e;
-        } catch (...) {
-            if (!first) first = e;
-        }
-    }
-    if (first) std::rethrow_exception(first);
-    if (first_timeout) std::rethrow_exception(first_timeout);
+    if (std::any_of(errors.begin(), errors.end(), [](const std::exception_ptr& e) { return bool(e); }))
+        rethrow_cause(errors);
 
-    const int64_t msg = rep.message_bytes;
-    summarize(rep.dispatch, recs, true, s.warmup, s.rounds, traffic.peer_messages * msg, traffic.local_messages * msg);
-    summarize(rep.combine, recs, false, s.warmup, s.rounds, traffic.peer_messages * h * 2,
-              traffic.local_messages * h * 2);
+    const Traffic& tr = rep.traffic;
+    rep.num_sms_used = recs[0].num_sms;
     rep.dispatch.name = "dispatch";
+    rep.dispatch.isolated = timing(recs, &RankRecord::dispatch_us, s.warmup);
+    rep.dispatch.back_to_back = timing(recs, &RankRecord::b2b_dispatch_us, 0);
+    set_bytes(rep.dispatch, tr.peer_messages, tr.local_messages, tr.dispatch_peer_bytes(), tr.dispatch_local_bytes(),
+              tr.dispatch_hbm_bytes, rep.hbm_gbps);
+    tally(rep.dispatch, recs, &RankRecord::dispatch_checks);
     rep.combine.name = "combine";
-    for (PhaseStats* p : {&rep.dispatch, &rep.combine}) {
-        p->peer_messages = traffic.peer_messages;
-        p->local_messages = traffic.local_messages;
-        if (!s.verify) p->rounds_verified = 0;
+    rep.combine.isolated = timing(recs, &RankRecord::combine_us, s.warmup);
+    rep.combine.back_to_back = timing(recs, &RankRecord::b2b_combine_us, 0);
+    set_bytes(rep.combine, tr.peer_messages, tr.local_messages, tr.combine_peer_bytes(), tr.combine_local_bytes(),
+              tr.combine_hbm_bytes, rep.hbm_gbps);
+    tally(rep.combine, recs, &RankRecord::combine_checks);
+    if (s.graph) {
+        rep.graph.name = "graph";
+        rep.graph.isolated = timing(recs, &RankRecord::graph_us, s.warmup);
+        rep.graph.back_to_back = timing(recs, &RankRecord::b2b_graph_us, 0);
+        set_bytes(rep.graph, tr.peer_messages, tr.local_messages, tr.dispatch_peer_bytes() + tr.combine_peer_bytes(),
+                  tr.dispatch_local_bytes() + tr.combine_local_bytes(), tr.dispatch_hbm_bytes + tr.combine_hbm_bytes,
+                  rep.hbm_gbps);
+        tally(rep.graph, recs, &RankRecord::graph_checks);
     }
+    if (!s.verify)
+        for (PhaseStats* p : {&rep.dispatch, &rep.combine, &rep.graph}) p->rounds_verified = p->rounds_failed = 0;
     for (const auto& rec : recs)
         for (const auto& f : rec.failures)
             if (rep.failures.size() < kMaxFailures) rep.failures.push_back(f);
-    rep.verified = s.verify && rep.dispatch.rounds_failed == 0 && rep.combine.rounds_failed == 0;
+    rep.verified =
+        s.verify && rep.dispatch.rounds_failed == 0 && rep.combine.rounds_failed == 0 && rep.graph.rounds_failed == 0;
     rep.wall_s = seconds_since(t_start);
     return rep;
 }

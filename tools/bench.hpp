@@ -4,17 +4,19 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "elasticep/config.hpp"
 #include "elasticep/tensor.hpp"
+#include "elasticep/traffic.hpp"
 
 namespace elasticep::cli {
 
-// One benchmark scenario. The defaults are the DeepSeek-V3 MoE layer shape (H=7168, 256 experts,
-// top-8, fp8 dispatch with fp32 scales per 128 channels, bf16 combine) at a token count that
-// runs with verification in well under a minute on two CPU cores.
+// One benchmark scenario (one row of the report). The defaults are the DeepSeek-V3 MoE layer shape
+// (H=7168, 256 experts, top-8, fp8 dispatch with fp32 scales per 128 channels, bf16 combine) at a
+// token count that runs with verification in well under a minute on two CPU cores.
 struct Scenario {
     int num_ranks = 8;
     int tokens = 128;     // tokens of the busiest rank
@@ -37,7 +39,11 @@ struct Scenario {
     double skew = 0.8;      // expert popularity ~ 1/(rank+1)^skew (0 = uniform)
     double drop = 0.0;      // probability that a route is -1
     BackendKind backend = BackendKind::kAuto;
+    int num_gpus = 1;  // cuda: rank r runs on GPU r % num_gpus
     int num_sms = 0;
+    bool back_to_back = true;  // also time `rounds` calls enqueued without host synchronisation
+    bool graph = false;        // cuda: also time replays of a captured dispatch + combine
+    double hbm_gbps = 0;       // HBM floor denominator; 0 = measure (cuda, one GPU)
     int rounds = 5;
     int warmup = 1;
     uint64_t seed = 1;
@@ -54,15 +60,24 @@ struct Scenario {
     std::string describe() const;  // one line, for the report header and `check`
 };
 
-struct PhaseStats {
-    std::string name;
+// Latencies of one timing mode of one phase.
+struct Timing {
     std::vector<double> round_us;              // per timed round: the slowest rank's latency
     std::vector<std::vector<double>> rank_us;  // [round][rank]
     double median_us = 0, mean_us = 0, min_us = 0, max_us = 0;
+    bool empty() const { return round_us.empty(); }
+};
+
+struct PhaseStats {
+    std::string name;
+    Timing isolated;                                // ranks meet at a host barrier before every call
+    Timing back_to_back;                            // all rounds enqueued without host synchronisation
     int64_t peer_messages = 0, local_messages = 0;  // per round, all ranks together
     int64_t peer_bytes = 0, local_bytes = 0;        // per round, all ranks together
-    double peer_gbps = 0;                           // peer bytes / median latency
-    double total_gbps = 0;                          // (peer + local) bytes / median latency
+    int64_t hbm_bytes = 0;                          // device-memory floor bytes, all ranks
+    double peer_gbps = 0;                           // peer bytes / isolated median
+    double total_gbps = 0;                          // (peer + local) bytes / isolated median
+    double hbm_floor_us = 0;                        // hbm_bytes / HBM copy bandwidth (0 = not shown)
     int rounds_verified = 0;
     int rounds_failed = 0;
 };
@@ -71,22 +86,35 @@ struct BenchReport {
     Scenario scenario;
     BackendKind backend = BackendKind::kCPU;  // resolved
     std::vector<int64_t> tokens;              // T per rank
-    int64_t message_bytes = 0;                // one token on the wire
-    int64_t rows_received = 0;                // routes delivered per round, all ranks
+    Traffic traffic;                          // one round, all ranks (include/elasticep/traffic.hpp)
+    int num_sms_used = 0;                     // what the dispatch chose (0 on the CPU backend)
     PhaseStats dispatch, combine;
-    bool verified = false;              // verify on and every round of both phases matched
+    PhaseStats graph;                   // --graph: one replay of dispatch + combine
+    bool verified = false;              // verify on and every checked output matched
     std::vector<std::string> failures;  // first mismatches, "round r rank d: ..."
+    double hbm_gbps = 0;                // the floor's denominator, 0 when no floor is shown
+    bool hbm_measured = false;
+    std::string gpu;  // GPU name (cuda)
     double setup_s = 0, oracle_s = 0, wall_s = 0;
 };
 
-// Called after every round (warm-up included) with the round index, the total and its seconds.
+// Called after every isolated round (warm-up included) with the round index, the total and its
+// seconds.
 using ProgressFn = std::function<void(int round, int total, double seconds)>;
 
 // Throws Error on invalid scenarios and on library errors.
 BenchReport run_bench(const Scenario& scenario, const ProgressFn& progress = {});
 
-// The table and summary line of a report, and its JSON form (see tools/README in --help).
-std::string format_report(const BenchReport& report);
-std::string report_json(const BenchReport& report, int indent = 2);
+// Several rows: the scenario at every (tokens, num_sms) of the lists, tokens outer.
+struct Sweep {
+    Scenario base;
+    std::vector<int> tokens;   // empty: base.tokens
+    std::vector<int> num_sms;  // empty: base.num_sms
+    std::vector<Scenario> points() const;
+};
+
+// The table (one row per scenario, as nccl-tests prints) and summary, and the JSON of a sweep.
+std::string format_report(const std::vector<BenchReport>& reports);
+std::string report_json(const std::vector<BenchReport>& reports, int indent = 2);
 
 }  // namespace elasticep::cli

@@ -131,7 +131,7 @@ std::vector<std::pair<Scenario, bool>> matrix() {
 
 }  // namespace
 
-int run_check_command(const CheckOptions& o) {
+int run_check_command(CheckOptions& o) {
     const BackendKind backend = Buffer::resolve_backend(o.backend);
     const auto t0 = std::chrono::steady_clock::now();
     int passed = 0, total = 0;
@@ -158,25 +158,23 @@ int run_check_command(const CheckOptions& o) {
             what = std::string("verifier catches an altered ") +
                    (s.inject_mismatch == 1 ? "dispatch row" : "combine output") + ": " + what;
         items.push_back({{"scenario", what}, {"pass", ok}, {"seconds", sec}, {"detail", detail}});
-        if (!o.json) {
+        if (!o.json.to_stdout()) {
             std::printf("%s  %s  (%.2f s)\n", ok ? "PASS" : "FAIL", what.c_str(), sec);
             if ((!ok || o.verbose) && !detail.empty()) std::printf("      %s\n", detail.c_str());
             std::fflush(stdout);
         }
     }
     const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (o.json) {
-        nlohmann::ordered_json j{{"backend", backend_name(backend)},
-                                 {"passed", passed},
-                                 {"total", total},
-                                 {"ok", passed == total},
-                                 {"seconds", sec},
-                                 {"items", items}};
-        std::cout << j.dump(2) << "\n";
-    } else {
-        std::printf("check (%s backend): %d/%d passed in %.2f s: %s\n", backend_name(backend), passed, total, sec,
-                    passed == total ? "PASS" : "FAIL");
-    }
+    const nlohmann::ordered_json j{{"backend", backend_name(backend)},
+                                   {"passed", passed},
+                                   {"total", total},
+                                   {"ok", passed == total},
+                                   {"seconds", sec},
+                                   {"items", items}};
+    char line[160];
+    std::snprintf(line, sizeof line, "check (%s backend): %d/%d passed in %.2f s: %s\n", backend_name(backend), passed,
+                  total, sec, passed == total ? "PASS" : "FAIL");
+    o.json.emit(j.dump(2) + "\n", line);
     return passed == total ? kExitOk : kExitFailed;
 }
 

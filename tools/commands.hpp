@@ -1,7 +1,10 @@
 // The subcommands of the `elasticep` CLI, each returning the process exit code.
 #pragma once
 
+#include <fstream>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "bench.hpp"
 
@@ -12,25 +15,38 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailed = 1;
 inline constexpr int kExitError = 2;
 
-struct BenchOutput {
-    bool json = false;     // JSON to stdout instead of the table
-    std::string json_out;  // also write JSON here
+// `--json [FILE]`: JSON on stdout (no FILE, or "-") instead of the text, or into FILE next to it.
+// The file is opened when the options are read, so a bad path fails before anything runs.
+struct JsonOutput {
+    bool requested = false;
+    std::string path;                     // "" or "-": stdout
+    std::unique_ptr<std::ofstream> file;  // open when a path was given
+    bool to_stdout() const { return requested && !file; }
+    // Opens the file (throws Error naming the option and the reason when it cannot be written).
+    void open(const std::string& option);
+    // Writes `json` to the file, or to stdout; then `text` to stdout unless JSON went there.
+    void emit(const std::string& json, const std::string& text);
+};
+
+struct BenchOptions {
+    Sweep sweep;
+    JsonOutput json;
     bool progress = true;
 };
-int run_bench_command(const Scenario& s, const BenchOutput& out);
+int run_bench_command(BenchOptions& o);
 
 struct InfoOptions {
-    bool json = false;
+    JsonOutput json;
     bool show_config = false;  // a config option was given: print reservation and output sizes
     Scenario scenario;         // ranks, experts, topk, hidden, tokens/capacity, payload, format, backend, alignment
 };
-int run_info_command(const InfoOptions& o);
+int run_info_command(InfoOptions& o);
 
 struct CheckOptions {
     BackendKind backend = BackendKind::kAuto;
     bool verbose = false;
-    bool json = false;
+    JsonOutput json;
 };
-int run_check_command(const CheckOptions& o);
+int run_check_command(CheckOptions& o);
 
 }  // namespace elasticep::cli

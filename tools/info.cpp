@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "backend_io.hpp"
 #include "commands.hpp"
 #include "core/layout.hpp"
 #include "core/outputs.hpp"
@@ -75,8 +76,17 @@ std::vector<Tensor> layout_tensors(const BufferConfig& cfg, int nr, Layout layou
 
 }  // namespace
 
-int run_info_command(const InfoOptions& o) {
+int run_info_command(InfoOptions& o) {
     const SystemInfo si = system_info();
+    // Why there is no GPU, in words that say what follows (not "driver version is insufficient"
+    // when there is no driver at all); the library's own note stays in the JSON.
+    std::string no_gpu;
+    if (si.gpus.empty()) {
+        no_gpu = gpu_unavailable_reason();
+        if (no_gpu.empty()) no_gpu = si.note.empty() ? "no CUDA GPU found" : si.note;
+        no_gpu += std::string(": the CUDA backend is unavailable, ") +
+                  (o.scenario.backend == BackendKind::kCUDA ? "--backend cuda fails" : "the CPU backend is used");
+    }
     nlohmann::ordered_json j;
     j["version"] = si.version;
     j["backends_compiled"] = si.backends_compiled;
@@ -84,6 +94,7 @@ int run_info_command(const InfoOptions& o) {
     j["cuda_driver_version"] = si.cuda_driver_version;
     j["nccl_version"] = si.nccl_version;
     j["note"] = si.note;
+    j["gpu_unavailable"] = no_gpu.empty() ? nlohmann::ordered_json() : nlohmann::ordered_json(no_gpu);
     j["gpus"] = nlohmann::ordered_json::array();
     for (const auto& g : si.gpus)
         j["gpus"].push_back({{"index", g.index},
@@ -101,7 +112,7 @@ int run_info_command(const InfoOptions& o) {
        << ", driver: " << version_text(si.cuda_driver_version, false)
        << ", NCCL: " << version_text(si.nccl_version, true) << "\n";
     if (si.gpus.empty()) {
-        os << "GPUs: none" << (si.note.empty() ? "" : " (" + si.note + ")") << "\n";
+        os << "GPUs: none: " << no_gpu << "\n";
     } else {
         os << "GPUs: " << si.gpus.size() << "\n";
         for (const auto& g : si.gpus)
@@ -146,6 +157,10 @@ int run_info_command(const InfoOptions& o) {
             }
         }
         c["reservation_bytes"] = res;
+        std::vector<std::pair<BackendKind, int64_t>> reserved;
+        for (BackendKind b : {BackendKind::kCPU, BackendKind::kCUDA})
+            if (res.contains(backend_name(b)) && !res[backend_name(b)].is_null())
+                reserved.emplace_back(b, res[backend_name(b)].get<int64_t>());
 
         nlohmann::ordered_json layouts;
         for (Layout l : {Layout::kExpertContiguous, Layout::kExpertMasked}) {
@@ -165,18 +180,27 @@ int run_info_command(const InfoOptions& o) {
                 lj[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"bytes", t.bytes}};
                 total += t.bytes;
             }
-            os << "    total " << mib(total) << "\n";
+            os << "    outputs " << mib(total) << "\n";
             lj["total_bytes"] = total;
+            nlohmann::ordered_json per_rank = nlohmann::ordered_json::object();
+            for (const auto& [b, bytes] : reserved) {
+                os << "    per rank (" << backend_name(b) << "): reservation " << mib(bytes) << " + outputs "
+                   << mib(total) << " = " << mib(bytes + total) << "\n";
+                per_rank[backend_name(b)] = bytes + total;
+            }
+            lj["per_rank_total_bytes"] = per_rank;
             layouts[layout_name(l)] = lj;
         }
         const int64_t out_bytes = int64_t{cfg.max_tokens_per_rank} * cfg.hidden * 2;
         os << "  combine output: bf16 [" << cfg.max_tokens_per_rank << ", " << cfg.hidden << "] at most, "
-           << mib(out_bytes) << "\n";
+           << mib(out_bytes) << " (part of the reservation)\n";
+        os << "  Layout outputs are allocated at the first dispatch of that layout, for its worst case, on top of\n"
+              "  the reservation; a rank that uses both layouts holds both.\n";
         c["layouts"] = layouts;
         c["combine_out_bytes"] = out_bytes;
         j["config"] = c;
     }
-    std::cout << (o.json ? j.dump(2) + "\n" : os.str());
+    o.json.emit(j.dump(2) + "\n", os.str());
     return kExitOk;
 }
 

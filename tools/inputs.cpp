@@ -156,29 +156,6 @@ std::vector<RankData> make_inputs(const Scenario& s) {
     return out;
 }
 
-Traffic count_traffic(const Scenario& s, const std::vector<RankData>& data) {
-    const int e_local = s.num_experts / s.num_ranks;
-    const int k = s.num_topk;
-    Traffic tr;
-    std::vector<int64_t> seen(static_cast<size_t>(s.num_ranks), -1);
-    for (int src = 0; src < s.num_ranks; ++src) {
-        const reference::RankInput& in = data[static_cast<size_t>(src)].input;
-        for (int64_t t = 0; t < in.num_tokens; ++t) {
-            const int64_t mark = (int64_t{src} << 40) + t;
-            for (int j = 0; j < k; ++j) {
-                const int64_t x = in.topk_idx[static_cast<size_t>(t * k + j)];
-                if (x < 0) continue;
-                ++tr.routes;
-                const int d = static_cast<int>(x / e_local);
-                if (seen[static_cast<size_t>(d)] == mark) continue;
-                seen[static_cast<size_t>(d)] = mark;
-                ++(d == src ? tr.local_messages : tr.peer_messages);
-            }
-        }
-    }
-    return tr;
-}
-
 float expert_factor(int global_expert) { return 0.5f + 0.125f * static_cast<float>(global_expert % 8); }
 
 void expert_output_row(const BufferConfig& cfg, const uint8_t* x_row, const uint32_t* scales, int global_expert,

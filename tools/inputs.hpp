@@ -22,13 +22,6 @@ struct RankData {
 // experts), so a few experts and ranks are hot, as in a real MoE layer.
 std::vector<RankData> make_inputs(const Scenario& s);
 
-// Tokens sent per round, all ranks together: one message per token and distinct destination
-// rank, split into peers (d != s) and the rank itself.
-struct Traffic {
-    int64_t peer_messages = 0, local_messages = 0, routes = 0;
-};
-Traffic count_traffic(const Scenario& s, const std::vector<RankData>& data);
-
 // The stand-in expert: a received row (bf16, or fp8 with its scale words) dequantized, times a
 // per-expert constant, rounded to bf16. `scales` holds the row's scale words in storage order.
 float expert_factor(int global_expert);

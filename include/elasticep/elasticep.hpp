@@ -8,4 +8,5 @@
 #include "elasticep/info.hpp"
 #include "elasticep/mpi_group.hpp"
 #include "elasticep/tensor.hpp"
+#include "elasticep/traffic.hpp"
 #include "elasticep/version.hpp"

@@ -477,4 +477,38 @@ NB_MODULE(_C, m) {
         nb::gil_scoped_release nogil;
         reset_buffers();
     });
+
+    // ---- byte accounting (include/elasticep/traffic.hpp) for python -m elasticep.bench ---------
+    // count_traffic(num_ranks, rank, num_experts, num_topk, hidden, payload, scale_format, topk_idx,
+    // prequantized) -> dict: one source rank's counts, as `elasticep bench` reports them. topk_idx:
+    // a host int32/int64 [T, K] array (any strides).
+    m.def(
+        "count_traffic",
+        [](int num_ranks, int rank, int num_experts, int num_topk, int hidden, const std::string& payload,
+           const std::string& scale_format, nb::ndarray<nb::ro, nb::device::cpu> topk_idx, bool prequantized) {
+            const BufferConfig c =
+                make_config(num_experts, num_topk, hidden, 1, payload, scale_format, "direct", 0, 0, 30.0, -1);
+            const bool i64 = topk_idx.dtype() == nb::dtype<int64_t>(), i32 = topk_idx.dtype() == nb::dtype<int32_t>();
+            if (!i64 && !i32) raise_arg("count_traffic: topk_idx must be int32 or int64");
+            TensorRef t;
+            t.data = const_cast<void*>(topk_idx.data());
+            t.dtype = i64 ? DType::kInt64 : DType::kInt32;
+            for (size_t d = 0; d < topk_idx.ndim(); ++d) {
+                t.shape.push_back(static_cast<int64_t>(topk_idx.shape(d)));
+                t.strides.push_back(static_cast<int64_t>(topk_idx.stride(d)));
+            }
+            const Traffic tr = count_traffic(c, num_ranks, rank, t, prequantized);
+            nb::dict d;
+            d["tokens"] = tr.tokens;
+            d["routes"] = tr.routes;
+            d["peer_messages"] = tr.peer_messages;
+            d["local_messages"] = tr.local_messages;
+            d["message_bytes"] = tr.message_bytes;
+            d["partial_bytes"] = tr.partial_bytes;
+            d["dispatch_hbm_bytes"] = tr.dispatch_hbm_bytes;
+            d["combine_hbm_bytes"] = tr.combine_hbm_bytes;
+            return d;
+        },
+        "num_ranks"_a, "rank"_a, "num_experts"_a, "num_topk"_a, "hidden"_a, "payload"_a, "scale_format"_a, "topk_idx"_a,
+        "prequantized"_a);
 }

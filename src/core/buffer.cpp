@@ -17,8 +17,6 @@
 
 namespace elasticep {
 
-const char* version_string() { return "0.1.0"; }
-
 const char* build_backends() { return detail::cuda_backend_compiled() ? "cpu,cuda" : "cpu"; }
 
 // ---------------------------------------------------------------------------------------------

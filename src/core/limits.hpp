@@ -10,14 +10,16 @@
 //   kMaxLocalExperts  the count exchange scans per-expert segment sizes in one block's shared memory.
 //   kMaxRouteSlots    R * C * K row indices and offsets are int32 (SEMANTICS.md, "Index limits").
 //   kMaxNamedPeers    a timeout names at most this many missing peers, then "and N more".
+// The public bounds (kMaxRanks, kMaxTopk, kMaxExpertAlignment) are include/elasticep/limits.hpp, for
+// callers that validate options up front; this header adds the internal ones.
 #pragma once
 
 #include <cstdint>
 
+#include "elasticep/limits.hpp"
+
 namespace elasticep {
 
-inline constexpr int kMaxRanks = 1024;
-inline constexpr int kMaxTopk = 32;
 inline constexpr int kMaxLocalExperts = 1024;
 inline constexpr int64_t kMaxRouteSlots = int64_t{1} << 30;
 inline constexpr int kMaxNamedPeers = 16;

@@ -140,13 +140,3 @@ inline void run_gpu_rounds(const std::vector<Scenario>& rounds, int gpus, const 
 }
 
 }  // namespace eptest
-
-// The names tests/gpu/bench_cuda.cpp still uses (it is being replaced by `elasticep bench --backend
-// cuda`; delete this block with it).
-#define ELASTICEP_TEST_HAVE_CUDA 1
-namespace elasticep::gputest {
-using eptest::DevBuf;
-using eptest::download;
-using eptest::gpu_count;
-inline void run_ranks(int n, const std::function<void(int)>& fn) { eptest::all_ok(eptest::run_ranks(n, fn)); }
-}  // namespace elasticep::gputest

@@ -37,3 +37,12 @@ if(v LESS 40960)
   message(FATAL_ERROR "cpu reservation ${v} is below R*C*message = 40960")
 endif()
 message(STATUS "info config sizes ok")
+# contiguous outputs: recv_x 138240 + scales 4320 + weights, src, m_indices 3 * 540 * 4 + counts 4 * 4 + offsets 5 * 4
+string(JSON v GET "${json}" config layouts contiguous total_bytes)
+expect_eq("contiguous total_bytes" ${v} 149076)
+# per rank: the reservation plus the outputs of the layout
+string(JSON res GET "${json}" config reservation_bytes cpu)
+math(EXPR want "${res} + 149076")
+string(JSON v GET "${json}" config layouts contiguous per_rank_total_bytes cpu)
+expect_eq("contiguous per_rank_total_bytes cpu" ${v} ${want})
+message(STATUS "info per-rank totals ok")

@@ -1,6 +1,8 @@
 // Device discovery for `elasticep info` and backend selection.
 #include <cuda_runtime.h>
+#if defined(ELASTICEP_HAVE_NCCL)  // set by CMake when NCCL was found (cmake/ElasticepNccl.cmake)
 #include <nccl.h>
+#endif
 
 #include "core/backend.hpp"
 #include "elasticep/info.hpp"
@@ -28,7 +30,9 @@ SystemInfo system_info() {
     s.backends_compiled = build_backends();
     cudaRuntimeGetVersion(&s.cuda_runtime_version);
     if (cudaDriverGetVersion(&s.cuda_driver_version) != cudaSuccess) s.cuda_driver_version = 0;
+#if defined(ELASTICEP_HAVE_NCCL)
     s.nccl_version = NCCL_VERSION_CODE;
+#endif
     int n = 0;
     const cudaError_t err = cudaGetDeviceCount(&n);
     if (err != cudaSuccess) {
