@@ -377,23 +377,28 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
     const int64_t routes_per_token = sh.num_topk < sh.num_local_experts ? sh.num_topk : sh.num_local_experts;
     for (int s = threadIdx.x; s < sh.num_ranks; s += blockDim.x) {
         const int64_t count = reinterpret_cast<volatile int64_t*>(&flag_of(s)->count)[0];
-        bool ok_sender = count >= 0 && count <= sh.capacity;
-        if (!ok_sender) record_peer_fault(p.ws, p.record, detail::kPeerCount, s, kPhaseDispatch, count, sh.capacity);
-        int64_t sum = 0;
-        for (int l = 0; l < sh.num_local_experts && ok_sender; ++l) {
-            const int64_t c = expert_counts_of(s)[l];
+        const bool count_ok = count >= 0 && count <= sh.capacity;
+        // every per-expert count is loaded (no data-dependent exit, so the loads overlap)
+        const int32_t* counts_row = RegionLayout::at<int32_t>(mine, region.expert_counts_row(s, parity));
+        int64_t sum = 0, bad_count = 0;
+        bool each_ok = true;
+#pragma unroll 4
+        for (int l = 0; l < sh.num_local_experts; ++l) {
+            const int64_t c = __ldcg(counts_row + l);
             sum += c;
-            if (c < 0 || c > count) {
-                record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch, c, count);
-                ok_sender = false;
-            }
+            const bool ok_c = c >= 0 && c <= count;
+            bad_count = each_ok && !ok_c ? c : bad_count;
+            each_ok = each_ok && ok_c;
         }
-        if (ok_sender && sum > count * routes_per_token) {
+        const bool sum_ok = sum <= count * routes_per_token;
+        if (!count_ok)
+            record_peer_fault(p.ws, p.record, detail::kPeerCount, s, kPhaseDispatch, count, sh.capacity);
+        else if (!each_ok)
+            record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch, bad_count, count);
+        else if (!sum_ok)
             record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch, sum,
                               count * routes_per_token);
-            ok_sender = false;
-        }
-        recv_count[s] = ok_sender ? static_cast<int32_t>(count) : -1;
+        recv_count[s] = count_ok && each_ok && sum_ok ? static_cast<int32_t>(count) : -1;
     }
     __syncthreads();
     __shared__ int32_t seg[kMaxLocalExperts];  // rounded segment sizes
