@@ -43,5 +43,28 @@ TEST(ManyRanks, TwoHundredFiftySixRanksMaskedGraphModeFp8) {
     run_round(s, groups, buffers, "R256 masked graph fp8");
 }
 
+// A timeout names the first kMaxNamedPeers missing peers and counts the rest (the scan covers every
+// peer's flag, whatever the group size).
+TEST(ManyRanks, TimeoutNamesTheFirstMissingPeersAndCountsTheRest) {
+    const int ranks = 40;
+    Scenario s = many_ranks(ranks, Layout::kExpertContiguous, true, 259);
+    s.cfg.timeout = std::chrono::milliseconds(300);
+    const auto data = make_inputs(s);
+    auto groups = ThreadGroup::create(ranks, std::chrono::seconds(60));
+    std::vector<std::shared_ptr<Buffer>> bufs(static_cast<size_t>(ranks));
+    const auto errors = run_ranks(ranks, [&](int r) {
+        bufs[static_cast<size_t>(r)] = Buffer::create(groups[static_cast<size_t>(r)], s.cfg, BackendKind::kCPU);
+        if (r < 2) bufs[static_cast<size_t>(r)]->dispatch(make_args(s, data[static_cast<size_t>(r)]));  // the rest skip
+    });
+    std::string named;
+    for (int q = 2; q < 2 + 16; ++q) named += (q > 2 ? ", " : "") + std::to_string(q);
+    for (int r = 0; r < 2; ++r)
+        EXPECT_TRUE(
+            is_error(errors[static_cast<size_t>(r)], ErrorCode::kTimeout,
+                     {"dispatch: rank " + std::to_string(r), "rank(s) " + named + " and 22 more (expected call #1"}));
+    for (int r = 2; r < ranks; ++r)
+        EXPECT_FALSE(errors[static_cast<size_t>(r)]) << describe(errors[static_cast<size_t>(r)]);
+}
+
 }  // namespace
 }  // namespace eptest
