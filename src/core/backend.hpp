@@ -17,23 +17,23 @@ struct HandleState {
     Layout layout = Layout::kExpertContiguous;
     int num_sms = 0;
     bool has_weights = false;
-    int64_t num_tokens = 0;  // T of this rank's dispatch (rows of the combine output)
-    std::vector<int64_t> y_shape;  // shape combine's y must have
+    int64_t num_tokens = 0;              // T of this rank's dispatch (rows of the combine output)
+    std::vector<int64_t> y_shape;        // shape combine's y must have
     std::shared_ptr<void> backend_data;  // what the backend keeps for combine
 };
 
 // A dispatch call after validation, with everything derived once.
 struct DispatchRequest {
     const DispatchArgs* args = nullptr;
-    int64_t num_tokens = 0;    // T
+    int64_t num_tokens = 0;     // T
     bool prequantized = false;  // x arrives as fp8 (+ x_scales): moved as is
     bool quantize = false;      // bf16 x with fp8 payload: quantized inside dispatch
     bool has_weights = false;
-    int64_t rows_cap = 0;       // contiguous: M_cap for this alignment; masked: R*C
+    int64_t rows_cap = 0;  // contiguous: M_cap for this alignment; masked: R*C
 };
 
 class BackendBuffer {
-   public:
+ public:
     virtual ~BackendBuffer() = default;
     // Fills the result's tensors (not its handle); stores combine state in `handle`.
     virtual void dispatch(const DispatchRequest& req, HandleState& handle, DispatchResult& result) = 0;
