@@ -10,12 +10,7 @@ MessageLayout message_layout(const BufferConfig& c) {
 }
 
 Reservation reservation(const BufferConfig& c, int num_ranks) {
-    const int64_t slots = int64_t{num_ranks} * c.max_tokens_per_rank;
-    Reservation r{};
-    r.dispatch_slots = slots * message_layout(c).bytes;
-    r.combine_slots = slots * c.hidden * 2;
-    r.combine_out = int64_t{c.max_tokens_per_rank} * c.hidden * 2;
-    return r;
+    return reservation_of(num_ranks, c.max_tokens_per_rank, c.hidden, message_layout(c).bytes);
 }
 
 std::string describe_bad_route(const RouteStatus& b, int rank, int num_experts) {

@@ -166,6 +166,12 @@ struct Reservation {
     int64_t combine_slots;   // R * C bf16 partial rows
     int64_t combine_out;     // C bf16 rows of the buffer-owned combine output
 };
+
+// The arithmetic itself, for host sizing and the CUDA window layout alike.
+ELASTICEP_HD Reservation reservation_of(int num_ranks, int capacity, int hidden, int message_bytes) {
+    const int64_t slots = int64_t{num_ranks} * capacity;
+    return Reservation{slots * message_bytes, slots * hidden * 2, int64_t{capacity} * hidden * 2};
+}
 Reservation reservation(const BufferConfig& config, int num_ranks);
 
 // ---------------------------------------------------------------------------------------------

@@ -78,11 +78,12 @@ struct RegionLayout {
     ELASTICEP_HD static RegionLayout make(const Shape& s) {
         RegionLayout g{};
         Carver c{0};
-        g.dispatch_slots = c.take_bytes(s.slots() * s.msg.bytes);
+        const detail::Reservation slots = detail::reservation_of(s.num_ranks, s.capacity, s.hidden, s.msg.bytes);
+        g.dispatch_slots = c.take_bytes(slots.dispatch_slots);
         g.route_pos = c.take_bytes(s.slots() * s.num_topk * 4);
         g.dispatch_flags = c.take_bytes(int64_t{s.num_ranks} * 2 * static_cast<int64_t>(sizeof(DispatchFlag)));
         g.expert_counts = c.take_bytes(int64_t{s.num_ranks} * 2 * s.num_local_experts * 4);
-        g.combine_slots = c.take_bytes(s.slots() * s.hidden * 2);
+        g.combine_slots = c.take_bytes(slots.combine_slots);
         g.combine_flags = c.take_bytes(int64_t{s.num_ranks} * 8);
         g.bytes = c.used;
         g.capacity = s.capacity;
