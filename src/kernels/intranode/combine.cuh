@@ -65,6 +65,7 @@ constexpr int kBatch = 4;
 
 template <class Team, bool kWeighted>
 __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams<Team> p) {
+    static_assert(Team::kLoadStore, "the partial kernel stores into the origins' windows");
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     if (p.ws.state->timed_out != 0) return;

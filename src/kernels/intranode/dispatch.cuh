@@ -161,6 +161,7 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams<Team> 
     constexpr int kScaleGroup = payload_scale_group(kPayload);
     static_assert(kScaleGroup % 16 == 0 && kScaleGroup / 16 <= kWarpSize,
                   "a scale group is whole lanes of 16 channels");
+    static_assert(Team::kLoadStore, "the send kernel stores into its peers' windows");
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     // host-sync call rejected (this call's invalid route, or a sticky fault): nothing is sent; the
@@ -324,6 +325,7 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams<Team> 
 template <class Team, bool kIdx64>
 __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchParams<Team> p) {
     static_assert(kMaxLocalExperts <= 1024, "segment sizes are scanned in one block's shared memory");
+    static_assert(Team::kLoadStore, "the exchange writes the counts into its peers' windows");
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     const Team& team = p.team;
