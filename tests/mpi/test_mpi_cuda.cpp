@@ -79,36 +79,12 @@ class DevMem {
 
 // ---- scenarios ------------------------------------------------------------------------------
 
-// The options of one scenario of a setup (the config is the setup's).
-struct Options {
-    Layout layout = Layout::kExpertContiguous;
-    bool host_sync = true;
-    int alignment = 1;
-    bool weights = true;   // dispatch gets topk_weights
-    bool weighted = true;  // combine multiplies by them
-    bool bias = false;
-    bool zero_padding = false;
-    bool mn_major = false;
-    bool idx64 = false;
-};
-
+// A setup: one config (one CPU and one CUDA buffer), its scenarios (the options of each call: layout,
+// sync, weights, bias, ...), each run for two rounds with other token counts and seeds.
 struct Setup {
     std::string name;
-    BufferConfig cfg;
-    bool prequant = false;
-    std::vector<Options> scenarios;
+    std::vector<Scenario> scenarios;
 };
-
-std::string describe(const Setup& su, const Options& sc, int round) {
-    std::ostringstream os;
-    os << su.name << " " << layout_name(sc.layout);
-    if (sc.layout == Layout::kExpertContiguous) os << (sc.host_sync ? " host_sync" : " graph") << " A=" << sc.alignment;
-    os << " weights=" << sc.weights << " weighted=" << sc.weighted << " bias=" << sc.bias << " zpad=" << sc.zero_padding
-       << " mn_major=" << sc.mn_major << " idx" << (sc.idx64 ? 64 : 32) << " (E=" << su.cfg.num_experts
-       << " K=" << su.cfg.num_topk << " H=" << su.cfg.hidden << " C=" << su.cfg.max_tokens_per_rank << ") round "
-       << round + 1;
-    return os.str();
-}
 
 // Token counts: the full capacity, empty ranks and uneven counts all occur.
 int64_t tokens_of(int capacity, int rank, int scenario, int round) {
@@ -124,25 +100,12 @@ uint64_t seed_of(int setup, int scenario, int round, uint64_t salt) {
            salt;
 }
 
-// The shared Scenario of one round of a setup, for `num_ranks` processes.
-Scenario scenario_of(const Setup& su, const Options& o, int setup, int scenario, int round, int num_ranks) {
-    Scenario s;
-    s.cfg = su.cfg;
+// Round `round` of scenario `scenario` of a setup, for `num_ranks` processes.
+Scenario round_of(const Scenario& proto, int setup, int scenario, int round, int num_ranks) {
+    Scenario s = proto;
     s.num_ranks = num_ranks;
-    for (int q = 0; q < num_ranks; ++q) s.tokens.push_back(tokens_of(su.cfg.max_tokens_per_rank, q, scenario, round));
-    s.p_none = 1.0 / 8;
-    s.p_token_none = 1.0 / 16;
-    s.p_nan = 1.0 / 64;
-    s.opt.layout = o.layout;
-    s.opt.expert_alignment = o.alignment;
-    s.opt.host_sync = o.host_sync;
-    s.opt.zero_padding = o.zero_padding;
-    s.mn_major = o.mn_major;
-    s.prequantized = su.prequant;
-    s.has_weights = o.weights;
-    s.weighted = o.weighted;
-    s.bias = o.bias;
-    s.idx64 = o.idx64;
+    s.tokens.clear();
+    for (int q = 0; q < num_ranks; ++q) s.tokens.push_back(tokens_of(s.cfg.max_tokens_per_rank, q, scenario, round));
     s.seed = seed_of(setup, scenario, round, 1);
     return s;
 }
@@ -212,71 +175,70 @@ int failing_ranks(const Ctx& cx, int my_failures) {
 std::vector<Setup> setups(int num_ranks) {
     std::vector<Setup> out;
     auto base = [](int e, int k, int h, int c) {
-        BufferConfig cfg;
-        cfg.num_experts = e;
-        cfg.num_topk = k;
-        cfg.hidden = h;
-        cfg.max_tokens_per_rank = c;
-        cfg.timeout = kBufferTimeout;
-        return cfg;
-    };
-    auto contiguous = [](bool host_sync, int a) {
-        Options s;
-        s.host_sync = host_sync;
-        s.alignment = a;
+        Scenario s;
+        s.cfg.num_experts = e;
+        s.cfg.num_topk = k;
+        s.cfg.hidden = h;
+        s.cfg.max_tokens_per_rank = c;
+        s.cfg.timeout = kBufferTimeout;
+        s.p_none = 1.0 / 8;
+        s.p_token_none = 1.0 / 16;
+        s.p_nan = 1.0 / 64;
         return s;
     };
-    auto masked = [] {
-        Options s;
-        s.layout = Layout::kExpertMasked;
+    auto contiguous = [](Scenario s, bool host_sync, int a) {
+        s.opt.host_sync = host_sync;
+        s.opt.expert_alignment = a;
+        return s;
+    };
+    auto masked = [](Scenario s) {
+        s.opt.layout = Layout::kExpertMasked;
         return s;
     };
     {
-        Setup su{"bf16", base(8 * num_ranks, 4, 256, 32), false, {}};
-        Options a = contiguous(true, 1);  // weighted, no bias
-        Options b = contiguous(false, 128);
+        const Scenario b0 = base(8 * num_ranks, 4, 256, 32);
+        Scenario a = contiguous(b0, true, 1);  // weighted, no bias
+        Scenario b = contiguous(b0, false, 128);
         b.weighted = false;  // weights carried, combine unweighted
         b.bias = true;
         b.idx64 = true;
-        Options m = masked();
-        m.weights = m.weighted = false;
+        Scenario m = masked(b0);
+        m.has_weights = m.weighted = false;
         m.bias = true;
-        m.zero_padding = true;
-        su.scenarios = {a, b, m};
-        out.push_back(su);
+        m.opt.zero_padding = true;
+        out.push_back({"bf16", {a, b, m}});
     }
     {
-        Setup su{"fp8/f32_g128/quantize", base(4 * num_ranks, 2, 512, 48), false, {}};
-        su.cfg.payload = Payload::kFP8;
-        su.cfg.scale_format = ScaleFormat::kF32G128;
-        Options a = contiguous(true, 64);
+        Scenario b0 = base(4 * num_ranks, 2, 512, 48);
+        b0.cfg.payload = Payload::kFP8;
+        b0.cfg.scale_format = ScaleFormat::kF32G128;
+        Scenario a = contiguous(b0, true, 64);
         a.bias = true;
         a.idx64 = true;
-        Options b = contiguous(false, 1);
+        Scenario b = contiguous(b0, false, 1);
         b.weighted = false;
         b.mn_major = true;
-        b.zero_padding = true;
-        Options m = masked();  // weighted, no bias
-        su.scenarios = {a, b, m};
-        out.push_back(su);
+        b.opt.zero_padding = true;
+        Scenario m = masked(b0);  // weighted, no bias
+        out.push_back({"fp8/f32_g128/quantize", {a, b, m}});
     }
     {
-        Setup su{"fp8/ue8m0_g32/prequantized", base(8 * num_ranks, 3, 256, 64), true, {}};
-        su.cfg.payload = Payload::kFP8;
-        su.cfg.scale_format = ScaleFormat::kUE8M0G32;
-        Options a = contiguous(true, 1);
-        a.weights = a.weighted = false;
+        Scenario b0 = base(8 * num_ranks, 3, 256, 64);
+        b0.cfg.payload = Payload::kFP8;
+        b0.cfg.scale_format = ScaleFormat::kUE8M0G32;
+        b0.prequantized = true;
+        Scenario a = contiguous(b0, true, 1);
+        a.has_weights = a.weighted = false;
         a.bias = true;
         a.mn_major = true;
-        Options b = contiguous(false, 32);  // weighted
+        Scenario b = contiguous(b0, false, 32);  // weighted
         b.bias = true;
-        b.zero_padding = true;
+        b.opt.zero_padding = true;
         b.idx64 = true;
-        Options m = masked();
+        Scenario m = masked(b0);
         m.weighted = false;
         m.mn_major = true;
-        su.scenarios = {a, b, m};
-        out.push_back(su);
+        out.push_back({"fp8/ue8m0_g32/prequantized", {a, b, m}});
     }
     return out;
 }
@@ -284,16 +246,16 @@ std::vector<Setup> setups(int num_ranks) {
 // Builds a CPU buffer and a CUDA buffer of one config and runs every scenario twice on them.
 int run_setup(const Ctx& cx, int setup_index, const Setup& su) {
     cuda_ok(cudaSetDevice(cx.device), "cudaSetDevice");
-    auto cpu = Buffer::create(cx.cpu_group, su.cfg, BackendKind::kCPU);
-    BufferConfig gpu_cfg = su.cfg;
+    const BufferConfig& cfg = su.scenarios.front().cfg;
+    auto cpu = Buffer::create(cx.cpu_group, cfg, BackendKind::kCPU);
+    BufferConfig gpu_cfg = cfg;
     gpu_cfg.device = cx.device;  // per rank: not part of what the ranks must agree on
     auto gpu = Buffer::create(cx.gpu_group, gpu_cfg, BackendKind::kCUDA);
     int failures = 0;
     for (int s = 0; s < static_cast<int>(su.scenarios.size()); ++s)
         for (int round = 0; round < 2; ++round) {
-            const Options& o = su.scenarios[static_cast<size_t>(s)];
-            const std::string tag = describe(su, o, round);
-            const Scenario sc = scenario_of(su, o, setup_index, s, round, cx.size);
+            const Scenario sc = round_of(su.scenarios[static_cast<size_t>(s)], setup_index, s, round, cx.size);
+            const std::string tag = su.name + " " + sc.name() + " round " + std::to_string(round + 1);
             const int mine = run_round(cx, *cpu, *gpu, sc, tag);
             const int bad = failing_ranks(cx, mine);
             if (cx.rank == 0) std::printf("%-110s %s\n", tag.c_str(), bad ? "FAILED" : "ok");
