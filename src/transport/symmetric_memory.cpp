@@ -56,6 +56,18 @@ Placement Placement::gather(Group& group, int rank, int device) {
 
 SymmetricMemory::SymmetricMemory(Group& group, const Placement& where, size_t bytes, cudaStream_t stream)
     : where_(where), bytes_(bytes), stream_(stream), local_from_pool_(where.one_process) {
+    try {
+        map(group);
+    } catch (...) {
+        release();
+        throw;
+    }
+}
+
+void SymmetricMemory::map(Group& group) {
+    const Placement& where = where_;
+    const size_t bytes = bytes_;
+    cudaStream_t stream = stream_;
     const int dev = where.device;
     if (local_from_pool_) {
         local_ = static_cast<uint8_t*>(pool_alloc(bytes, dev, stream));
@@ -106,17 +118,22 @@ SymmetricMemory::SymmetricMemory(Group& group, const Placement& where, size_t by
     ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
 }
 
-SymmetricMemory::~SymmetricMemory() {
+SymmetricMemory::~SymmetricMemory() { release(); }
+
+void SymmetricMemory::release() {
     // Nothing here waits for the whole device (device_pool.hpp): peers of this process may already
     // run kernels of their next buffer. The caller has synchronised its own streams.
     for (void* p : opened_) cudaIpcCloseMemHandle(p);
+    opened_.clear();
     if (device_windows_) cudaFreeAsync(device_windows_, stream_);
+    device_windows_ = nullptr;
     if (local_ && !keep_local_) {
         if (local_from_pool_)
             cudaFreeAsync(local_, stream_);
         else
             cudaFree(local_);  // IPC-exported; other processes' ranks do not wait for this one
     }
+    local_ = nullptr;
     cudaGetLastError();
 }
 

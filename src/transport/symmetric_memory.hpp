@@ -70,6 +70,9 @@ class SymmetricMemory {
     void keep_local_window() { keep_local_ = true; }
 
  private:
+    void map(Group& group);  // the constructor's work (allocate, exchange, open, upload the table)
+    void release();          // frees what map() got so far
+
     Placement where_;
     size_t bytes_ = 0;
     cudaStream_t stream_ = nullptr;
