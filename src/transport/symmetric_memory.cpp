@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <string>
 
 #include "core/check.hpp"
 #include "kernels/common/cuda_check.hpp"
@@ -14,30 +15,49 @@ namespace {
 struct Where {
     int64_t pid;
     int32_t device;
-    int32_t pad;
+    int32_t ready;  // 0: this rank failed before the exchange
     char uuid[16];
 };
 
 struct Hello {
     int64_t pid;
     int32_t device;
-    int32_t pad;
+    int32_t ready;
     uint64_t window;
     cudaIpcMemHandle_t ipc;
 };
 
 bool same_gpu(const Where& a, const Where& b) { return std::memcmp(a.uuid, b.uuid, 16) == 0; }
 
+// After an exchange: this rank's own error first, else Internal naming the ranks that were not ready.
+template <class T>
+void agree(const std::vector<T>& all, const std::exception_ptr& mine, const char* step) {
+    if (mine) std::rethrow_exception(mine);
+    std::string failed;
+    for (size_t q = 0; q < all.size(); ++q)
+        if (!all[q].ready) failed += (failed.empty() ? "" : ", ") + std::to_string(q);
+    ELASTICEP_CHECK(failed.empty(), ErrorCode::kInternal, "CUDA backend: rank(s) ", failed, " failed ", step,
+                    " (see the error raised there)");
+}
+
 }  // namespace
 
-Placement Placement::gather(Group& group, int rank, int device) {
-    cudaDeviceProp prop{};
-    ELASTICEP_CUDA_CALL(cudaGetDeviceProperties(&prop, device));
+Placement Placement::gather(Group& group, int rank, int device, std::exception_ptr failure) {
     Where me{};
     me.pid = static_cast<int64_t>(::getpid());
     me.device = device;
-    std::memcpy(me.uuid, &prop.uuid, 16);
+    if (!failure) {
+        try {
+            cudaDeviceProp prop{};
+            ELASTICEP_CUDA_CALL(cudaGetDeviceProperties(&prop, device));
+            std::memcpy(me.uuid, &prop.uuid, 16);
+        } catch (...) {
+            failure = std::current_exception();
+        }
+    }
+    me.ready = failure ? 0 : 1;
     const auto all = group.all_gather_value(me);
+    agree(all, failure, "to start its buffer");
     Placement p;
     p.rank = rank;
     p.num_ranks = static_cast<int>(all.size());
@@ -69,24 +89,30 @@ void SymmetricMemory::map(Group& group) {
     const size_t bytes = bytes_;
     cudaStream_t stream = stream_;
     const int dev = where.device;
-    if (local_from_pool_) {
-        local_ = static_cast<uint8_t*>(pool_alloc(bytes, dev, stream));
-    } else {
-        void* p = nullptr;
-        ELASTICEP_CUDA_CALL(cudaMalloc(&p, bytes));
-        local_ = static_cast<uint8_t*>(p);
-    }
-    ELASTICEP_CUDA_CALL(cudaMemsetAsync(local_, 0, bytes, stream));
-    device_windows_ =
-        static_cast<uint8_t**>(pool_alloc(static_cast<size_t>(where.num_ranks) * sizeof(uint8_t*), dev, stream));
-    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
-
     Hello hello{};
     hello.pid = static_cast<int64_t>(::getpid());
     hello.device = dev;
-    hello.window = reinterpret_cast<uint64_t>(local_);
-    if (!local_from_pool_) ELASTICEP_CUDA_CALL(cudaIpcGetMemHandle(&hello.ipc, local_));
+    std::exception_ptr failure;
+    try {  // allocate and export this rank's window; a failure still takes part in the exchange below
+        if (local_from_pool_) {
+            local_ = static_cast<uint8_t*>(pool_alloc(bytes, dev, stream));
+        } else {
+            void* p = nullptr;
+            ELASTICEP_CUDA_CALL(cudaMalloc(&p, bytes));
+            local_ = static_cast<uint8_t*>(p);
+        }
+        ELASTICEP_CUDA_CALL(cudaMemsetAsync(local_, 0, bytes, stream));
+        device_windows_ =
+            static_cast<uint8_t**>(pool_alloc(static_cast<size_t>(where.num_ranks) * sizeof(uint8_t*), dev, stream));
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
+        hello.window = reinterpret_cast<uint64_t>(local_);
+        if (!local_from_pool_) ELASTICEP_CUDA_CALL(cudaIpcGetMemHandle(&hello.ipc, local_));
+    } catch (...) {
+        failure = std::current_exception();
+    }
+    hello.ready = failure ? 0 : 1;
     const auto all = group.all_gather_value(hello);
+    agree(all, failure, "to allocate its receive window");
     windows_.assign(all.size(), nullptr);
     for (size_t q = 0; q < all.size(); ++q) {
         const Hello& h = all[q];

@@ -14,15 +14,17 @@
 // not change.
 //
 // Collective calls, in order, on every rank: Placement::gather, then the SymmetricMemory
-// constructor (one all_gather). Nothing here waits for the whole device while a peer of this process
-// may run kernels (see device_pool.hpp), except cudaMalloc / cudaFree / peer access of groups that
-// span processes, whose peers cannot be held up by this process's context.
+// constructor (one all_gather). Each carries a "ready" flag, so a rank that failed before a collective
+// still takes part in it and its peers raise at the same point instead of falling out of step. Nothing here waits for
+// the whole device while a peer of this process may run kernels (see device_pool.hpp), except cudaMalloc / cudaFree /
+// peer access of groups that span processes, whose peers cannot be held up by this process's context.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <vector>
 
 #include "elasticep/group.hpp"
@@ -39,7 +41,9 @@ struct Placement {
     int ranks_on_my_gpu = 1;             // ranks (this one included) on this rank's GPU
     bool shared_gpu_in_process = false;  // some GPU holds two ranks of one process
 
-    static Placement gather(Group& group, int rank, int device);
+    // `failure`: this rank's error before the call (null: none). The all_gather runs either way; then
+    // this rank rethrows its error, and every other rank raises Internal naming the failed ranks.
+    static Placement gather(Group& group, int rank, int device, std::exception_ptr failure = nullptr);
 };
 
 // What the device side of the NVLink team reads (plain data; NvlinkTeam wraps it in device code).

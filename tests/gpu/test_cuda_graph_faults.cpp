@@ -329,6 +329,26 @@ TEST(CudaBackendFaults, GraphModeInvalidRoutesAreDroppedAndSticky) {
     }));
 }
 
+// A rank whose CUDA backend fails before the peer exchange (here: a device that does not exist) still
+// takes part in it, so every rank raises at once instead of waiting for the group's timeout.
+TEST(CudaBackendFaults, ARankThatFailsToStartFailsEveryRankPromptly) {
+    ELASTICEP_SKIP_WITHOUT_GPU();
+    const BufferConfig cfg = small_config();
+    auto groups = ThreadGroup::create(2, std::chrono::seconds(30));
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto errors = run_ranks(2, [&](int r) {
+        BufferConfig c = cfg;
+        c.device = r == 1 ? gpu_count() + 7 : 0;
+        Buffer::create(groups[static_cast<size_t>(r)], c, BackendKind::kCUDA);
+    });
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_TRUE(is_error(errors[1], ErrorCode::kCuda, {"failed on this rank"}));
+    EXPECT_TRUE(is_error(errors[0], ErrorCode::kInternal, {"rank(s) 1"}));
+    EXPECT_LT(seconds, 10.0) << "the ranks waited for the group's timeout";
+    // the group is still in step: both ranks build a working buffer next
+    all_ok(run_ranks(2, [&](int r) { Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCUDA); }));
+}
+
 TEST(CudaBackendSelection, HybridTopologyIsRejectedOnEveryRank) {
     ELASTICEP_SKIP_WITHOUT_GPU();
     BufferConfig cfg = small_config();

@@ -102,44 +102,61 @@ class CudaBackend final : public BackendBuffer {
           e_local_(cfg_.num_experts / ctx.num_ranks),
           shape_(make_shape(cfg_, ctx.num_ranks)),
           region_(RegionLayout::make(shape_)) {
-        ELASTICEP_CHECK(e_local_ <= kMaxLocalExperts, ErrorCode::kUnsupported, "the CUDA backend supports at most ",
-                        "kMaxLocalExperts=", kMaxLocalExperts, " local experts per rank; this config has ", e_local_);
-        if (cfg_.device >= 0)
-            dev_ = cfg_.device;
-        else
-            ELASTICEP_CUDA_CALL(cudaGetDevice(&dev_));
-        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
-        cudaDeviceProp prop{};
-        ELASTICEP_CUDA_CALL(cudaGetDeviceProperties(&prop, dev_));
+        // Everything before the first collective may fail on this rank alone: the failure travels with
+        // the first exchange (Placement::gather), so every rank raises at the same point.
+        std::exception_ptr failure;
+        int device_sms = 1;
+        try {
+            ELASTICEP_CHECK(e_local_ <= kMaxLocalExperts, ErrorCode::kUnsupported, "the CUDA backend supports at most ",
+                            "kMaxLocalExperts=", kMaxLocalExperts, " local experts per rank; this config has ",
+                            e_local_);
+            if (cfg_.device >= 0)
+                dev_ = cfg_.device;
+            else
+                ELASTICEP_CUDA_CALL(cudaGetDevice(&dev_));
+            ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+            cudaDeviceProp prop{};
+            ELASTICEP_CUDA_CALL(cudaGetDeviceProperties(&prop, dev_));
+            device_sms = prop.multiProcessorCount;
+            ELASTICEP_CUDA_CALL(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+            ELASTICEP_CUDA_CALL(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
+            // Everything that may wait for the device happens before the first collective: once a peer
+            // passes the last one (the front end's), it may launch kernels that wait for this rank.
+            cuda::load_dispatch_kernels();
+            cuda::load_combine_kernels();
+            const int64_t ws_bytes = Workspace::carve(shape_, nullptr).bytes;
+            ws_ptr_ = transport::pool_alloc(static_cast<size_t>(ws_bytes), dev_, own_stream_);
+            ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, static_cast<size_t>(ws_bytes), own_stream_));
+            ws_ = Workspace::carve(shape_, ws_ptr_);
+            ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.first_bad_route, 0xff, sizeof(*ws_.first_bad_route), own_stream_));
+            outputs_ = std::make_unique<cuda::DeviceOutputs>(cfg_, num_ranks_, rank_, dev_, own_stream_);
+            record_ = std::make_unique<cuda::HostRecordLease>();
+        } catch (...) {
+            failure = std::current_exception();
+        }
 
-        ELASTICEP_CUDA_CALL(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
-        ELASTICEP_CUDA_CALL(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
-        // Everything that may wait for the device happens before the first collective: once a peer
-        // passes the last one (the front end's), it may launch kernels that wait for this rank.
-        cuda::load_dispatch_kernels();
-        cuda::load_combine_kernels();
-        const int64_t ws_bytes = Workspace::carve(shape_, nullptr).bytes;
-        ws_ptr_ = transport::pool_alloc(static_cast<size_t>(ws_bytes), dev_, own_stream_);
-        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, static_cast<size_t>(ws_bytes), own_stream_));
-        ws_ = Workspace::carve(shape_, ws_ptr_);
-        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.first_bad_route, 0xff, sizeof(*ws_.first_bad_route), own_stream_));
-        outputs_ = std::make_unique<cuda::DeviceOutputs>(cfg_, num_ranks_, rank_, dev_, own_stream_);
-        record_ = std::make_unique<cuda::HostRecordLease>();
-
-        // who is where, then the symmetric receive window of every rank (collective)
-        const transport::Placement where = transport::Placement::gather(*ctx.group, rank_, dev_);
-        launch_ = cuda::LaunchConfig::choose(cfg_, where, prop.multiProcessorCount);
-        window_ = std::make_unique<transport::SymmetricMemory>(*ctx.group, where, static_cast<size_t>(region_.bytes),
-                                                               own_stream_);
-        watch_ = std::make_unique<cuda::PeerWatch>(rank_, num_ranks_, cfg_.timeout, region_, *window_, record_->host(),
-                                                   ws_, own_stream_);
+        try {
+            // who is where, then the symmetric receive window of every rank (collective)
+            const transport::Placement where = transport::Placement::gather(*ctx.group, rank_, dev_, failure);
+            launch_ = cuda::LaunchConfig::choose(cfg_, where, device_sms);
+            window_ = std::make_unique<transport::SymmetricMemory>(*ctx.group, where,
+                                                                   static_cast<size_t>(region_.bytes), own_stream_);
+            watch_ = std::make_unique<cuda::PeerWatch>(rank_, num_ranks_, cfg_.timeout, region_, *window_,
+                                                       record_->host(), ws_, own_stream_);
+        } catch (...) {
+            release();  // no destructor runs for a constructor that throws
+            throw;
+        }
     }
 
-    ~CudaBackend() override {
-        // Nothing here waits for the whole device (see the header comment): peers of this process
-        // may already run kernels of their next buffer.
+    ~CudaBackend() override { release(); }
+
+    // Frees everything this rank holds (whatever the constructor got to). Nothing here waits for the
+    // whole device (see the header comment): peers of this process may already run kernels of their
+    // next buffer.
+    void release() noexcept {
         cudaSetDevice(dev_);
-        cudaStreamSynchronize(own_stream_);
+        if (own_stream_) cudaStreamSynchronize(own_stream_);
         if (has_event_) cudaEventSynchronize(last_event_);
         // after a timeout a late peer may still write into this rank's window: keep it (leaked)
         if (window_ && watch_ && watch_->timed_out()) window_->keep_local_window();
@@ -147,9 +164,12 @@ class CudaBackend final : public BackendBuffer {
         window_.reset();
         outputs_.reset();
         if (ws_ptr_) cudaFreeAsync(ws_ptr_, own_stream_);
+        ws_ptr_ = nullptr;
         record_.reset();
-        cudaEventDestroy(last_event_);
-        cudaStreamDestroy(own_stream_);
+        if (last_event_) cudaEventDestroy(last_event_);
+        if (own_stream_) cudaStreamDestroy(own_stream_);
+        last_event_ = nullptr;
+        own_stream_ = nullptr;
         cudaGetLastError();
     }
 
