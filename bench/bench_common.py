@@ -46,7 +46,8 @@ def message_bytes(hidden: int, topk: int, payload_elem_bytes: int, scale_cols: i
     if payload == "fp8" and scale_cols != elasticep.scale_columns("f32_g128", hidden):
         raise ValueError(f"scale_cols {scale_cols} is not that of f32_g128 at hidden {hidden}")
     none = np.zeros((0, topk), dtype=np.int64)
-    return _C.count_traffic(1, 0, topk, topk, hidden, payload, "f32_g128", none, False)["message_bytes"]
+    params = {"num_experts": topk, "num_topk": topk, "hidden": hidden, "payload": payload, "scale_format": "f32_g128"}
+    return _C.count_traffic(params, 1, 0, none, False)["message_bytes"]
 
 
 def traffic(idx_per_rank, num_ranks: int, num_experts: int, hidden: int = 128, payload: str = "bf16"):
@@ -55,7 +56,9 @@ def traffic(idx_per_rank, num_ranks: int, num_experts: int, hidden: int = 128, p
     peer = local = routes = 0
     for s, idx in enumerate(idx_per_rank):
         idx = np.ascontiguousarray(np.asarray(idx), dtype=np.int64)
-        t = _C.count_traffic(num_ranks, s, num_experts, idx.shape[1], hidden, payload, "f32_g128", idx, False)
+        params = {"num_experts": num_experts, "num_topk": idx.shape[1], "hidden": hidden, "payload": payload,
+                  "scale_format": "f32_g128"}
+        t = _C.count_traffic(params, num_ranks, s, idx, False)
         peer += t["peer_messages"]
         local += t["local_messages"]
         routes += t["routes"]

@@ -23,7 +23,7 @@ class HostDevice final : public RankDevice {
         return t;
     }
     void refresh(const TensorRef& device, const void* host) override {
-        if (device.data != host && device.nbytes()) std::memcpy(device.data, host, device.nbytes());
+        if (device.data != host && device.nbytes() != 0) std::memcpy(device.data, host, device.nbytes());
     }
     const void* fetch(const TensorRef& t, size_t, int) override { return t.data; }
     void synchronize() override {}

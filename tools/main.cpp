@@ -11,6 +11,7 @@
 #include <regex>
 
 #include "commands.hpp"
+#include "moe_layer.hpp"
 #include "elasticep/error.hpp"
 #include "elasticep/limits.hpp"
 #include "elasticep/version.hpp"
@@ -304,6 +305,9 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"none", "dispatch", "combine"}))
         ->capture_default_str();
 
+    MoeLayerCli moe;
+    add_moe_layer_options(bench, moe);  // bench --moe-layer (tools/moe_layer.cpp)
+
     // ---- info ----
     InfoOptions io;
     Choices ic;
@@ -354,6 +358,10 @@ int main(int argc, char** argv) {
     try {
         if (bench->parsed()) {
             bo.json.open("--json");
+            if (moe.enabled) {
+                // one layer shape: a --tokens / --sms list takes its first value
+                return run_moe_layer_command(bench, bo.sweep.points().front(), bo.json, moe);
+            }
             return run_bench_command(bo);
         }
         if (info->parsed()) {

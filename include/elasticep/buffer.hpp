@@ -63,8 +63,9 @@ struct DispatchArgs {
     void* stream = nullptr;      // cudaStream_t for the CUDA backend; ignored on CPU
 };
 
-// Buffer-owned tensors stay valid until the next dispatch on the same buffer (which reuses the
-// same memory: pointers are stable, so a captured CUDA graph replays) or until the buffer dies.
+// Buffer-owned tensors hold their values until the next dispatch on the same buffer, which rewrites
+// the same memory (pointers are stable per layout and alignment, so a captured CUDA graph replays);
+// the memory itself is never freed or moved while the buffer lives (docs/SEMANTICS.md).
 struct DispatchResult {
     Layout layout = Layout::kExpertContiguous;
     TensorRef recv_x;                     // contiguous [M or M_cap, H]; masked [E_local, R*C, H]
@@ -91,10 +92,14 @@ struct CombineResult {
     TensorRef out;  // [T, H] bf16 (buffer-owned: valid until the next combine)
 };
 
+// One rank's endpoint. It takes one call at a time: dispatch, combine, check, expert_load or
+// reset_expert_load entered while another runs on the same buffer raises InvalidArgument naming
+// the call in progress. Different buffers may be used from different threads at once.
 class Buffer {
    public:
-    // Collective over `group`: every rank calls it with the same config. Published (returned)
-    // only after every rank built its part.
+    // Collective over `group`: every rank calls it with the same config. The ranks first agree that
+    // every rank's arguments are valid (a rank that rejects its own makes every rank raise its
+    // reason at once), then build, then agree that every rank built its part before any returns it.
     static std::shared_ptr<Buffer> create(std::shared_ptr<Group> group, const BufferConfig& config,
                                           BackendKind backend = BackendKind::kAuto);
     // Bytes one rank reserves when built: its receive slots, combine slots and combine output.
@@ -111,7 +116,7 @@ class Buffer {
 
     // Collective. Errors on this rank's own input are raised before any communication.
     DispatchResult dispatch(const DispatchArgs& args);
-    // Collective. Consumes the handle, also on failure.
+    // Collective. Consumes the handle, also on failure (whatever rejected the call).
     CombineResult combine(Handle&& handle, const CombineArgs& args);
     // Raises a sticky device fault (invalid routes in graph mode) or a past timeout, if any.
     void check();

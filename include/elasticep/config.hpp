@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "elasticep/limits.hpp"
+
 namespace elasticep {
 
 enum class Payload : uint8_t { kBF16, kFP8 };
@@ -45,20 +47,25 @@ BackendKind parse_backend(const std::string& s);
 // Channels per scale group (128 or 32).
 int scale_group_size(ScaleFormat f);
 // Scale columns per row as stored: fp32 groups for f32_g128, packed int32 words for ue8m0.
+// Throws InvalidArgument unless hidden is in [1, kMaxHidden].
 int scale_columns(ScaleFormat f, int hidden);
 
+// Value ranges: include/elasticep/limits.hpp.
+// Checks a timeout against [1 ms, kMaxTimeout]; `what` names the parameter in the error.
+void validate_timeout(std::chrono::milliseconds timeout, const char* what);
+
 struct BufferConfig {
-    int num_experts = 0;          // E, a multiple of the number of ranks
+    int num_experts = 0;          // E in [1, 65536], a multiple of the number of ranks
     int num_topk = 0;             // K in [1, 32]
-    int hidden = 0;               // H, a multiple of 8 (bf16) or of the scale group (fp8)
-    int max_tokens_per_rank = 0;  // C: a memory reservation, not a semantic limit
+    int hidden = 0;               // H in [1, 65536], a multiple of 8 (bf16) or of the scale group (fp8)
+    int max_tokens_per_rank = 0;  // C >= 1: a memory reservation, not a semantic limit
     Payload payload = Payload::kBF16;
     ScaleFormat scale_format = ScaleFormat::kF32G128;  // used when payload == kFP8
     Topology topology = Topology::kDirect;
-    int ranks_per_node = 0;  // hybrid only: ranks sharing NVLink; 0 = all ranks in one node
-    int num_sms = 0;         // 0 = chosen from a bandwidth model of the link
-    std::chrono::milliseconds timeout{30000};  // bound on every wait for a peer
-    int device = -1;  // CUDA device of this rank; -1 = the current device
+    int ranks_per_node = 0;                    // hybrid only: ranks sharing NVLink; 0 = all ranks in one node
+    int num_sms = 0;                           // in [0, 1024]; 0 = chosen from a bandwidth model of the link
+    std::chrono::milliseconds timeout{30000};  // bound on every wait for a peer: [1 ms, 7 days]
+    int device = -1;                           // CUDA device of this rank; -1 = the current device
 
     // Throws InvalidArgument naming the field and the fix.
     void validate(int num_ranks) const;

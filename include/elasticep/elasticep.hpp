@@ -7,6 +7,7 @@
 #include "elasticep/group.hpp"
 #include "elasticep/info.hpp"
 #include "elasticep/mpi_group.hpp"
+#include "elasticep/serving.hpp"
 #include "elasticep/tensor.hpp"
 #include "elasticep/traffic.hpp"
 #include "elasticep/version.hpp"

@@ -20,7 +20,9 @@ torch's current CUDA stream.
 
 Public API: :class:`Buffer`, :class:`DispatchResult`, :func:`get_buffer`, :func:`reset`,
 :class:`Group`, :func:`ThreadGroup`, :class:`TorchGroup`, :func:`MpiWorld`, the errors in
-:mod:`elasticep.errors`, :func:`system_info`, :func:`scale_columns`, :func:`backend_available`.
+:mod:`elasticep.errors`, :func:`system_info`, :func:`scale_columns`, :func:`backend_available`, and the
+serving layer in :mod:`elasticep.serving` (start-up checks, phase-aware dispatcher, adapters, reference
+MoE layer).
 """
 
 from . import _C
@@ -40,6 +42,7 @@ _C._set_error_factory(_errors._make)
 
 from .buffer import Buffer, DispatchResult, get_buffer, reset  # noqa: E402
 from .groups import Group, MpiWorld, ThreadGroup, TorchGroup  # noqa: E402
+from . import serving  # noqa: E402  (the serving layer: elasticep.serving)
 
 Handle = _C.Handle
 Handle.__doc__ = """Single-use token from a dispatch that its combine consumes.
@@ -62,11 +65,11 @@ def backend_available(backend):
 
 def scale_columns(scale_format, hidden):
     """Scale columns per row as stored: fp32 groups for f32_g128, packed int32 words for ue8m0."""
-    return _C.scale_columns(str(scale_format), int(hidden))
+    return _C.scale_columns(scale_format, hidden)  # checked there: hidden must be an int in [1, 65536]
 
 
 __all__ = [
     "Buffer", "DispatchResult", "Handle", "get_buffer", "reset", "Group", "ThreadGroup", "TorchGroup", "MpiWorld",
     "Error", "InvalidArgumentError", "CapacityExceededError", "TimeoutError", "UnsupportedError", "CudaError",
-    "NcclError", "InternalError", "system_info", "backend_available", "scale_columns", "__version__",
+    "NcclError", "InternalError", "system_info", "backend_available", "scale_columns", "__version__", "serving",
 ]

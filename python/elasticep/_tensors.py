@@ -77,8 +77,10 @@ def _describe(obj):
     return "%s[%s] %s" % (str(getattr(obj, "dtype", type(obj).__name__)).replace("torch.", ""), shape, dev)
 
 
-def to_arg(obj, name, slot):
-    """Wraps ``obj`` as a ``_C.TensorArg`` for the C++ argument ``name`` (zero-copy)."""
+def to_arg(obj, name, slot, writable=False):
+    """Wraps ``obj`` as a ``_C.TensorArg`` for the C++ argument ``name`` (zero-copy).
+
+    ``writable``: the library writes it (a caller-provided output); a read-only array is refused."""
     if isinstance(obj, _C.TensorArg):
         return obj
     fw = framework_of(obj)
@@ -125,7 +127,7 @@ def to_arg(obj, name, slot):
             # No stream synchronisation here (-1): the library runs on the stream it is given, the
             # caller's current stream by default, which also keeps torch.cuda.graph capture legal.
             view = view.__dlpack__(stream=-1)
-    return _C.TensorArg(view, dtype, name)
+    return _C.TensorArg(view, dtype, name, writable)
 
 
 def cuda_stream_of(obj, stream):

@@ -531,8 +531,9 @@ def _traffic(args, tokens):
     total = None
     for r in range(args.ranks):
         idx = _routing_idx(args, tokens, r)
-        t = _C.count_traffic(args.ranks, r, args.experts, args.topk, args.hidden, args.payload, args.scale_format,
-                             np.ascontiguousarray(idx, dtype=np.int64), False)
+        params = {"num_experts": args.experts, "num_topk": args.topk, "hidden": args.hidden,
+                  "payload": args.payload, "scale_format": args.scale_format}
+        t = _C.count_traffic(params, args.ranks, r, np.ascontiguousarray(idx, dtype=np.int64), False)
         total = t if total is None else {k: (total[k] + v if k not in ("message_bytes", "partial_bytes") else v)
                                          for k, v in t.items()}
     return total

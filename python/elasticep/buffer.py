@@ -1,5 +1,12 @@
-"""Buffer: the dispatch/combine engine of one rank, and the buffer registry."""
+"""Buffer: the dispatch/combine engine of one rank, and the buffer registry.
 
+The C++ argument structs are nanobind classes (``_C.BufferConfig``, ``_C.DispatchArgs`` with its
+``_C.DispatchOutputs``, ``_C.DispatchResult``, ``_C.CombineArgs``); each lists its field names in
+``fields``. This layer fills them by name from the keyword arguments of the signatures below, so a
+new option is one field line in python/src/bindings.cpp and one parameter here.
+"""
+
+import inspect
 import weakref
 
 from . import _C
@@ -7,15 +14,16 @@ from . import _tensors as T
 from .errors import InvalidArgumentError
 from .groups import as_group
 
-_OUTPUT_NAMES = ("recv_x", "recv_scales", "recv_weights", "recv_src", "m_indices")
+_OUTPUT_NAMES = _C.DispatchOutputs.fields
 
 
 class DispatchResult:
     """What :meth:`Buffer.dispatch` returns.
 
     Tensors are of the framework of ``x`` (numpy in -> numpy out, torch in -> torch out). Buffer-owned
-    ones are zero-copy views of the buffer's memory: they stay valid (and keep the buffer's memory
-    alive) until the next dispatch on the same buffer overwrites them; copy what you need to keep.
+    ones are zero-copy views of the buffer's memory: the memory stays valid as long as a view lives
+    (a view keeps its buffer alive), but the next dispatch on the same buffer rewrites it; copy what
+    you need to keep.
 
     Attributes:
         layout: ``"contiguous"`` or ``"masked"``.
@@ -33,8 +41,18 @@ class DispatchResult:
         handle: the single-use handle :meth:`Buffer.combine` needs.
     """
 
-    __slots__ = ("layout", "recv_x", "recv_scales", "recv_weights", "recv_src", "m_indices", "counts", "offsets",
-                 "masked_m", "num_rows", "handle")
+    __slots__ = ("layout",) + _C.DispatchResult.tensors + ("num_rows", "handle")
+
+    @classmethod
+    def _from(cls, raw, flavor, payload):
+        """Re-types a ``_C.DispatchResult`` into the caller's framework."""
+        r = cls()
+        r.layout = raw.layout
+        for name in _C.DispatchResult.tensors:
+            setattr(r, name, T.from_raw(getattr(raw, name), flavor, payload if name == "recv_x" else None))
+        r.num_rows = int(raw.num_rows)
+        r.handle = raw.handle
+        return r
 
     def __repr__(self):
         def d(t):
@@ -56,37 +74,41 @@ class Buffer:
     Args:
         group: a :class:`Group` (one of :func:`ThreadGroup`'s, a :class:`TorchGroup`, or a
             ``torch.distributed`` ProcessGroup, wrapped in a TorchGroup for you).
-        num_experts: E, a multiple of the number of ranks.
+        num_experts: E in [1, 65536], a multiple of the number of ranks.
         num_topk: K in [1, 32].
-        hidden: H, a multiple of 8 (bf16) or of the scale group (fp8).
-        max_tokens_per_rank: C, the per-rank token capacity reserved in memory.
+        hidden: H in [1, 65536], a multiple of 8 (bf16) or of the scale group (fp8).
+        max_tokens_per_rank: C >= 1, the per-rank token capacity reserved in memory
+            (ranks * C * K < 2^30 and E * C < 2^31).
         payload: ``"bf16"`` or ``"fp8"`` (OCP E4M3 on the wire).
         scale_format: fp8 scales: ``"f32_g128"``, ``"ue8m0_g128"`` or ``"ue8m0_g32"``.
         topology: ``"direct"`` or ``"hybrid"``.
         ranks_per_node: hybrid only: ranks sharing NVLink (0 = all).
-        num_sms: SMs for the CUDA kernels (0 = chosen from a bandwidth model).
-        timeout: seconds any wait on a peer may take before :class:`elasticep.TimeoutError`.
+        num_sms: SMs for the CUDA kernels in [0, 1024] (0 = chosen from a bandwidth model).
+        timeout: seconds any wait on a peer may take before :class:`elasticep.TimeoutError`: finite,
+            from 1 ms to 7 days.
         backend: ``"auto"`` (CUDA when a GPU is usable, else CPU), ``"cpu"`` or ``"cuda"``.
         device: CUDA device of this rank (None: the current device).
 
-    The CPU backend shares one host arena between ranks, so its ranks must be threads of one process.
+    Integer arguments must be integers (numpy integers too); a float or an out-of-range value is
+    refused with an :class:`InvalidArgumentError` naming it (docs/SEMANTICS.md, "Value ranges").
+
+    A Buffer is one rank's endpoint and takes one call at a time: a second thread calling into it
+    while a call runs gets an :class:`InvalidArgumentError` naming that call. The CPU backend's ranks
+    share one host arena: threads of one process, or processes of one host.
     """
 
     def __init__(self, group, num_experts, num_topk, hidden, max_tokens_per_rank, payload="bf16",
                  scale_format="f32_g128", topology="direct", ranks_per_node=0, num_sms=0, timeout=30.0,
                  backend="auto", device=None):
-        self._init(group, num_experts, num_topk, hidden, max_tokens_per_rank, payload, scale_format, topology,
-                   ranks_per_node, num_sms, timeout, backend, device, cached=False)
+        params = dict(locals())  # this signature is the one list of Buffer's (and get_buffer's) options
+        del params["self"], params["group"]
+        self._init(group, params, cached=False)
 
-    def _init(self, group, num_experts, num_topk, hidden, max_tokens_per_rank, payload, scale_format, topology,
-              ranks_per_node, num_sms, timeout, backend, device, cached):
+    def _init(self, group, params, cached):
         grp = as_group(group)
-        if device is None:
-            device = _current_cuda_device(backend)
-        self._impl = _C.Buffer.create(grp, int(num_experts), int(num_topk), int(hidden), int(max_tokens_per_rank),
-                                      str(payload), str(scale_format), str(topology), int(ranks_per_node),
-                                      int(num_sms), float(timeout), int(device), str(backend), bool(cached))
-        self._payload = str(payload)
+        impl = _create(grp, params, cached)
+        self._impl = impl
+        self._payload = str(params["payload"])
         self._group = grp
 
     @classmethod
@@ -141,7 +163,7 @@ class Buffer:
 
     def max_contiguous_rows(self, expert_alignment=1):
         """M_cap: rows of the contiguous layout without host sync, ``R*C*min(K, E_local) + E_local*(A-1)``."""
-        return self._live().max_contiguous_rows(int(expert_alignment))
+        return self._live().max_contiguous_rows(expert_alignment)
 
     # ---- the collectives --------------------------------------------------------------------------
 
@@ -180,46 +202,36 @@ class Buffer:
             InvalidArgumentError on every rank for invalid expert ids (with host sync);
             TimeoutError when a peer does not arrive in time.
         """
+        options = {k: v for k, v in locals().items() if k in _C.DispatchArgs.options}  # the signature's options
         impl = self._live()
         flavor = T.flavor_of(x)
         fp8 = self._payload == "fp8"
-        if host_sync is None:
-            host_sync = not T.capturing(x)
-        args = [T.to_arg(x, "dispatch: x", T.X),
-                None if scales is None else T.to_arg(scales, "dispatch: x_scales", T.PLAIN),
-                T.to_arg(topk_idx, "dispatch: topk_idx", T.PLAIN),
-                None if topk_weights is None else T.to_arg(topk_weights, "dispatch: topk_weights", T.PLAIN)]
-        outs = [None] * 5
+        a = _C.DispatchArgs()
+        if options["host_sync"] is None:
+            options["host_sync"] = not T.capturing(x)
+        options["stream"] = T.cuda_stream_of(x, stream)
+        for name, value in options.items():
+            setattr(a, name, value)
+        a.x = T.to_arg(x, "dispatch: x", T.X)
+        a.x_scales = None if scales is None else T.to_arg(scales, "dispatch: x_scales", T.PLAIN)
+        a.topk_idx = T.to_arg(topk_idx, "dispatch: topk_idx", T.PLAIN)
+        a.topk_weights = None if topk_weights is None else T.to_arg(topk_weights, "dispatch: topk_weights", T.PLAIN)
         if out is not None:
             unknown = set(out) - set(_OUTPUT_NAMES)
             if unknown:
                 raise InvalidArgumentError("dispatch: unknown output name(s) %s in out=; choose from %s"
                                            % (sorted(unknown), ", ".join(_OUTPUT_NAMES)))
-            for i, n in enumerate(_OUTPUT_NAMES):
+            for n in _OUTPUT_NAMES:
                 if out.get(n) is not None:
                     slot = (T.FP8 if fp8 else T.BF16) if n == "recv_x" else T.PLAIN
-                    outs[i] = T.to_arg(out[n], "caller-provided output " + n, slot)
-        raw = impl.dispatch(args[0], args[1], args[2], args[3], str(layout), int(expert_alignment), bool(host_sync),
-                            bool(zero_padding), bool(scales_mn_major), outs[0], outs[1], outs[2], outs[3], outs[4],
-                            T.cuda_stream_of(x, stream))
-        r = DispatchResult()
-        r.layout = "contiguous" if raw[4] is not None else "masked"
-        r.recv_x = T.from_raw(raw[0], flavor, "fp8" if fp8 else "bf16")
-        r.recv_scales = T.from_raw(raw[1], flavor, None)
-        r.recv_weights = T.from_raw(raw[2], flavor, None)
-        r.recv_src = T.from_raw(raw[3], flavor, None)
-        r.m_indices = T.from_raw(raw[4], flavor, None)
-        r.counts = T.from_raw(raw[5], flavor, None)
-        r.offsets = T.from_raw(raw[6], flavor, None)
-        r.masked_m = T.from_raw(raw[7], flavor, None)
-        r.num_rows = int(raw[8])
-        r.handle = raw[9]
-        return r
+                    setattr(a.outputs, n, T.to_arg(out[n], "caller-provided output " + n, slot, writable=True))
+        return DispatchResult._from(impl.dispatch(a), flavor, "fp8" if fp8 else "bf16")
 
     def combine(self, y, handle, *, weighted=True, bias=None, out=None, stream=None):
         """Sends expert outputs back and reduces them per token (SEMANTICS.md "Combine").
 
-        Collective. Consumes ``handle`` (also when it fails).
+        Collective. Consumes ``handle``, also when it fails, wherever it fails (in this layer's argument
+        checks too): afterwards ``handle.valid`` is False and the buffer may dispatch again.
 
         Args:
             y: bf16 expert outputs with the shape of the dispatch's ``recv_x``.
@@ -233,15 +245,22 @@ class Buffer:
             ``[T, H]`` bf16 in y's framework: a view of ``out``, or buffer-owned memory valid until
             the next combine on this buffer.
         """
-        impl = self._live()
         if not isinstance(handle, _C.Handle):
             raise InvalidArgumentError("combine: the handle is empty (moved from, or not made by dispatch); pass "
                                        "DispatchResult.handle")
-        flavor = T.flavor_of(y)
-        raw = impl.combine(handle, T.to_arg(y, "combine: y", T.BF16), bool(weighted),
-                           None if bias is None else T.to_arg(bias, "combine: bias", T.BF16),
-                           None if out is None else T.to_arg(out, "combine: out", T.BF16), T.cuda_stream_of(y, stream))
-        return T.from_raw(raw, flavor, "bf16")
+        try:
+            impl = self._live()
+            flavor = T.flavor_of(y)
+            a = _C.CombineArgs()
+            a.y = T.to_arg(y, "combine: y", T.BF16)
+            a.weighted = weighted
+            a.bias = None if bias is None else T.to_arg(bias, "combine: bias", T.BF16)
+            a.out = None if out is None else T.to_arg(out, "combine: out", T.BF16, writable=True)
+            a.stream = T.cuda_stream_of(y, stream)
+        except BaseException:
+            handle._release()  # the one handle rule: a combine that fails, wherever it fails, consumes it
+            raise
+        return T.from_raw(impl.combine(handle, a), flavor, "bf16")
 
     def check(self):
         """Raises a sticky fault left by an earlier graph-mode dispatch (invalid routes, as
@@ -286,22 +305,35 @@ def _current_cuda_device(backend):
     return -1
 
 
-def get_buffer(group, num_experts, num_topk, hidden, max_tokens_per_rank, payload="bf16", scale_format="f32_g128",
-               topology="direct", ranks_per_node=0, num_sms=0, timeout=30.0, backend="auto", device=None):
+def _create(group, params, cached):
+    """The native buffer for ``params`` (Buffer's keyword arguments): built, or taken from the registry."""
+    params = dict(params)
+    if params.get("device") is None:
+        params["device"] = _current_cuda_device(params.get("backend", "auto"))
+    return _C.Buffer.create(group, params, bool(cached))
+
+
+_BUFFER_SIGNATURE = inspect.signature(Buffer.__init__)
+
+
+def get_buffer(group, *args, **kwargs):
     """The registry: the cached :class:`Buffer` for (group identity, config, backend).
 
-    Collective like ``Buffer(...)``: every rank calls it with the same arguments. The first call (and
-    any call whose configuration differs from the cached one) builds a buffer collectively; the new
-    buffer is published only after every rank built it. Returns the same object while the key is
-    unchanged. :func:`reset` drops the cache.
+    Takes exactly :class:`Buffer`'s arguments. Collective like ``Buffer(...)``: every rank calls it
+    with the same arguments. The first call (and any call whose configuration differs from the
+    cached one) builds a buffer collectively; the new buffer is published only after every rank
+    built it. Returns the same object while the key is unchanged. :func:`reset` drops the cache.
     """
+    bound = _BUFFER_SIGNATURE.bind(None, group, *args, **kwargs)  # TypeError for a wrong call, as Buffer(...)
+    bound.apply_defaults()
+    params = dict(bound.arguments)
+    del params["self"], params["group"]
     grp = as_group(group)
-    if device is None:
-        device = _current_cuda_device(backend)
-    impl = _C.Buffer.create(grp, int(num_experts), int(num_topk), int(hidden), int(max_tokens_per_rank), str(payload),
-                            str(scale_format), str(topology), int(ranks_per_node), int(num_sms), float(timeout),
-                            int(device), str(backend), True)
-    return Buffer._wrap(impl, grp, str(payload))
+    impl = _create(grp, params, cached=True)
+    return Buffer._wrap(impl, grp, str(params["payload"]))
+
+
+get_buffer.__signature__ = _BUFFER_SIGNATURE.replace(parameters=list(_BUFFER_SIGNATURE.parameters.values())[1:])
 
 
 def reset():

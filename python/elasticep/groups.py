@@ -34,12 +34,12 @@ def ThreadGroup(num_ranks, timeout=60.0):  # noqa: N802 - reads like the C++ cla
     Hand ``groups[i]`` to the thread that plays rank i. Collectives wait at most ``timeout`` seconds
     for the other threads, then raise :class:`elasticep.TimeoutError`.
     """
-    return list(_C.thread_group(int(num_ranks), float(timeout)))
+    return list(_C.thread_group(num_ranks, timeout))  # checked there: an error names a bad value
 
 
 def MpiWorld(timeout=60.0):  # noqa: N802
     """MPI_COMM_WORLD as a :class:`Group` (raises UnsupportedError when built without MPI)."""
-    return _C.mpi_world(float(timeout))
+    return _C.mpi_world(timeout)
 
 
 class TorchGroup(Group):

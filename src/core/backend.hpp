@@ -3,17 +3,25 @@
 // and the broken-buffer rule; a backend only moves data and computes.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
+#include "core/check.hpp"
 #include "elasticep/buffer.hpp"
 
 namespace elasticep::detail {
 
+namespace testing {
+struct OutgoingDispatch;  // core/testing.hpp
+using DispatchForger = std::function<void(OutgoingDispatch&)>;
+}  // namespace testing
+
 struct HandleState {
     uint64_t buffer_id = 0;
-    bool consumed = false;
+    std::atomic<bool> consumed{false};  // set once, by the first combine that takes the handle
     Layout layout = Layout::kExpertContiguous;
     int num_sms = 0;
     bool has_weights = false;
@@ -45,6 +53,10 @@ class BackendBuffer {
     // Cumulative rows received per local expert (kept by the backend so graph mode needs no sync).
     virtual std::vector<int64_t> expert_load() = 0;
     virtual void reset_expert_load() = 0;
+    // Test-only fault injection (core/testing.hpp): lets a test play a peer that breaks the protocol.
+    virtual void set_dispatch_forger(testing::DispatchForger) {
+        raise(ErrorCode::kUnsupported, "dispatch forging (a test hook) is implemented by the CPU backend only");
+    }
 };
 
 struct BackendContext {
@@ -59,6 +71,15 @@ struct BackendContext {
 // not kAuto); Unsupported for a pair no backend implements (today: every hybrid pair).
 std::unique_ptr<BackendBuffer> make_backend(BackendKind kind, Topology topology, const BackendContext& ctx);
 size_t backend_reservation_bytes(BackendKind kind, Topology topology, const BufferConfig& config, int num_ranks);
+
+// The handle rule for a layer that rejects a combine before Buffer::combine sees it (the Python
+// bindings converting their arguments): consumes `handle` exactly as a failed combine does.
+void consume_handle(Handle& handle);
+
+// Buffer::create's agreement, entered by a rank that rejected its arguments before it could build a
+// BufferConfig (the Python bindings' conversions): every other rank's create raises "rank r rejected
+// its config: <message>" at once instead of waiting for this rank. Rethrows `error` here.
+[[noreturn]] void reject_create(const std::shared_ptr<Group>& group, const Error& error);
 
 std::unique_ptr<BackendBuffer> make_cpu_backend(const BackendContext& ctx);
 size_t cpu_reservation_bytes(const BufferConfig& config, int num_ranks);

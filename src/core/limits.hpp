@@ -10,8 +10,9 @@
 //   kMaxLocalExperts  the count exchange scans per-expert segment sizes in one block's shared memory.
 //   kMaxRouteSlots    R * C * K row indices and offsets are int32 (SEMANTICS.md, "Index limits").
 //   kMaxNamedPeers    a timeout names at most this many missing peers, then "and N more".
-// The public bounds (kMaxRanks, kMaxTopk, kMaxExpertAlignment) are include/elasticep/limits.hpp, for
-// callers that validate options up front; this header adds the internal ones.
+// The public bounds (kMaxRanks, kMaxTopk, kMaxRouteSlots and the other value ranges of
+// docs/SEMANTICS.md) are include/elasticep/limits.hpp, for callers that validate options up front;
+// this header adds the internal ones.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +22,6 @@
 namespace elasticep {
 
 inline constexpr int kMaxLocalExperts = 1024;
-inline constexpr int64_t kMaxRouteSlots = int64_t{1} << 30;
 inline constexpr int kMaxNamedPeers = 16;
 
 inline constexpr int kWarpSize = 32;

@@ -2,6 +2,7 @@
 #include "elasticep/mpi_group.hpp"
 
 #include "core/check.hpp"
+#include "elasticep/config.hpp"
 
 #if defined(ELASTICEP_WITH_MPI)
 #include <mpi.h>
@@ -107,11 +108,13 @@ void ensure_init() {
 bool MpiGroup::available() { return true; }
 
 std::shared_ptr<Group> MpiGroup::world(std::chrono::milliseconds timeout) {
+    validate_timeout(timeout, "MpiGroup: timeout");
     ensure_init();
     return std::make_shared<MpiRankGroup>(MPI_COMM_WORLD, timeout);
 }
 
 std::shared_ptr<Group> MpiGroup::from_fortran_handle(int64_t comm, std::chrono::milliseconds timeout) {
+    validate_timeout(timeout, "MpiGroup: timeout");
     ensure_init();
     return std::make_shared<MpiRankGroup>(MPI_Comm_f2c(static_cast<MPI_Fint>(comm)), timeout);
 }

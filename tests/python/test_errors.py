@@ -163,11 +163,11 @@ def test_handle_misuse():
     od = other.dispatch(*good())
     with pytest.raises(ep.InvalidArgumentError, match="the handle belongs to another buffer"):
         other.combine(od.recv_x, d.handle)
-    assert d.handle.valid  # still usable with its own buffer
+    # One handle rule (issue 10, item 11): a failed combine consumes its handle, whichever layer or
+    # buffer rejected it; b may dispatch again.
+    assert not d.handle.valid
     with pytest.raises(ep.InvalidArgumentError, match="handle is empty"):
         b.combine(d.recv_x, None)
-    b.combine(d.recv_x, d.handle)
-    assert not d.handle.valid
     with pytest.raises(ep.InvalidArgumentError, match="already consumed"):
         b.combine(d.recv_x, d.handle)
     other.combine(od.recv_x, od.handle)

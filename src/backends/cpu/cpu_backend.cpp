@@ -6,21 +6,30 @@
 //   dispatch: disp_slots[d][s][j] messages, disp_flag[d][s][n % 2] = {count, status, epoch last};
 //   combine:  comb_slots[s][d][t] partials, comb_flag[s][d] = n;
 //   slot reuse: recv_done[d] = the last epoch whose messages d has read (protocol.hpp, "Slot reuse").
-#include <atomic>
-#include <chrono>
-#include <cmath>
-#include <cstring>
-#include <map>
-#include <mutex>
-#include <thread>
-#include <algorithm>
-#include <cerrno>
-#include <cstdio>
-#include <cstdlib>
+//
+// Nothing a peer wrote is trusted as a bound: the receiver checks every count, expert id and source
+// token against the config before it uses one to address memory (`check_messages`). A message that
+// breaks the protocol is dropped and reported naming its sender (an error with host sync, a sticky
+// fault in graph mode), never followed into a write outside the layout.
+//
+// Buffer-owned outputs are allocated before any communication and never moved or freed while the
+// buffer lives (`OutputStore`), so every view handed out stays valid memory.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
 
 #include "core/backend.hpp"
 #include "core/check.hpp"
@@ -30,6 +39,7 @@
 #include "core/protocol.hpp"
 #include "core/quantize.hpp"
 #include "core/routing.hpp"
+#include "core/testing.hpp"
 
 namespace elasticep::detail {
 namespace {
@@ -37,7 +47,8 @@ namespace {
 struct DispatchFlag {
     std::atomic<uint64_t> epoch{0};
     int64_t count = 0;
-    RouteStatus status{};  // the sender's published route status (protocol.hpp)
+    RouteStatus status{};  // the sender's published route status (protocol.hpp); plain ints, so any bytes a
+                           // peer left there are a valid value
 };
 
 // The arena lives in one shared mapping: anonymous memory when every rank is a thread of this
@@ -69,7 +80,8 @@ struct Arena {
     }
     size_t total_bytes() const {
         const size_t r = static_cast<size_t>(num_ranks);
-        return flags_bytes() + r * slots() * static_cast<size_t>(msg.bytes) + r * slots() * static_cast<size_t>(hidden) * 2;
+        return flags_bytes() + r * slots() * static_cast<size_t>(msg.bytes) +
+               r * slots() * static_cast<size_t>(hidden) * 2;
     }
     // Points the fields into a mapping of total_bytes(); `init` constructs the flags (creator only).
     void attach(void* mapping, bool init) {
@@ -89,10 +101,13 @@ struct Arena {
     }
 
     uint8_t* slot(int d, int s, int64_t j) {
-        return disp_base + ((static_cast<size_t>(d) * num_ranks + static_cast<size_t>(s)) * capacity +
-                            static_cast<size_t>(j)) * static_cast<size_t>(msg.bytes);
+        return disp_base +
+               ((static_cast<size_t>(d) * num_ranks + static_cast<size_t>(s)) * capacity + static_cast<size_t>(j)) *
+                   static_cast<size_t>(msg.bytes);
     }
-    uint16_t* comb(int origin) { return comb_base + static_cast<size_t>(origin) * slots() * static_cast<size_t>(hidden); }
+    uint16_t* comb(int origin) {
+        return comb_base + static_cast<size_t>(origin) * slots() * static_cast<size_t>(hidden);
+    }
     DispatchFlag& dflag(int d, int s, uint64_t epoch) {
         return disp_flags[(static_cast<size_t>(d) * num_ranks + static_cast<size_t>(s)) * 2 + (epoch & 1)];
     }
@@ -101,12 +116,64 @@ struct Arena {
     }
 };
 
-static_assert(std::atomic<uint64_t>::is_always_lock_free, "the arena's flags must be lock-free to work across processes");
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "the arena's flags must be lock-free to work across processes");
 
+// Out of memory is the caller's capacity, not a bug: the fix is a smaller reservation.
 void* checked_map(void* p, const std::string& what) {
-    ELASTICEP_CHECK(p != MAP_FAILED, ErrorCode::kInternal, "CPU backend: ", what, " failed: ", std::strerror(errno));
-    return p;
+    if (p != MAP_FAILED) return p;
+    const int err = errno;
+    ELASTICEP_CHECK(err != ENOMEM && err != ENOSPC, ErrorCode::kCapacityExceeded, "CPU backend: ", what, " failed (",
+                    std::strerror(err),
+                    "): not enough memory for this reservation; lower "
+                    "max_tokens_per_rank (or hidden, or the number of ranks)");
+    raise(ErrorCode::kInternal, cat("CPU backend: ", what, " failed: ", std::strerror(err)));
 }
+
+size_t host_memory_bytes() {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : SIZE_MAX;
+}
+
+// Anonymous memory, zero-filled lazily by the kernel, unmapped when the block dies.
+class Block {
+ public:
+    Block(size_t bytes, const std::string& what) : bytes_(std::max<size_t>(bytes, 64)) {
+        ELASTICEP_CHECK(bytes_ <= host_memory_bytes(), ErrorCode::kCapacityExceeded, "CPU backend: ", what, " needs ",
+                        bytes_, " bytes, more than this host's ", host_memory_bytes(),
+                        " bytes of memory; lower max_tokens_per_rank (or pass caller-provided outputs)");
+        data_ = checked_map(::mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0),
+                            cat(what, " (mmap of ", bytes_, " bytes)"));
+    }
+    ~Block() { ::munmap(data_, bytes_); }
+    Block(const Block&) = delete;
+    Block& operator=(const Block&) = delete;
+    void* data() const { return data_; }
+    size_t bytes() const { return bytes_; }
+
+ private:
+    size_t bytes_;
+    void* data_ = nullptr;
+};
+
+// Buffer-owned output storage, one slot per (output, layout). A slot only grows (a larger
+// expert_alignment needs more contiguous rows): the grown slot gets a new block and the old block
+// stays mapped until the buffer dies, so a view handed out by an earlier call never dangles.
+class OutputStore {
+ public:
+    void* get(int slot, size_t bytes, const char* what) {
+        Block*& cur = current_[slot];
+        if (cur == nullptr || cur->bytes() < bytes) {
+            blocks_.push_back(std::make_unique<Block>(bytes, cat("the buffer-owned ", what)));
+            cur = blocks_.back().get();
+        }
+        return cur->data();
+    }
+
+ private:
+    std::vector<std::unique_ptr<Block>> blocks_;
+    std::map<int, Block*> current_;
+};
 
 // A file every process maps; /dev/shm when it has room (containers often give it only 64 MiB).
 std::string arena_path(const std::string& tag, size_t bytes) {
@@ -135,61 +202,100 @@ struct CpuHandleData {
     std::vector<float> route_weights;
 };
 
-struct Storage {
-    std::vector<uint8_t> bytes;
-    void* reserve(size_t n) {
-        if (bytes.size() < n) bytes.assign(n, 0);
-        return bytes.data();
-    }
+// Where this call's dispatch outputs live: the caller's tensors or buffer-owned storage, known
+// before any communication.
+struct OutputPtrs {
+    void* recv_x = nullptr;
+    void* recv_scales = nullptr;
+    void* recv_weights = nullptr;
+    void* recv_src = nullptr;
+    void* m_indices = nullptr;
 };
 
+// The arena's size, or CapacityExceeded when it cannot exist on this host. Computed wide: with
+// thousands of ranks R * R * C * message bytes is past size_t long before mmap could refuse it.
+size_t checked_arena_bytes(const BufferConfig& c, int num_ranks, const MessageLayout& m) {
+    using Wide = unsigned __int128;
+    const Wide r = static_cast<Wide>(num_ranks);
+    const Wide slots = r * r * static_cast<Wide>(c.max_tokens_per_rank);
+    const Wide total = r * r * 2 * sizeof(DispatchFlag) + (r * r + r) * sizeof(uint64_t) + 4096 +
+                       slots * static_cast<Wide>(m.bytes) + slots * static_cast<Wide>(c.hidden) * 2;
+    const size_t host = host_memory_bytes();
+    if (total > static_cast<Wide>(host)) {
+        const long double gib = static_cast<long double>(total) / (1 << 30);
+        raise(
+            ErrorCode::kCapacityExceeded,
+            cat("CPU backend: the shared arena for ", num_ranks, " ranks x max_tokens_per_rank=", c.max_tokens_per_rank,
+                " x hidden=", c.hidden, " needs ", static_cast<double>(gib), " GiB, more than this host's ", host >> 20,
+                " MiB of memory; lower max_tokens_per_rank (or hidden, or the number of ranks)"));
+    }
+    return static_cast<size_t>(total);
+}
+
 class CpuBackend final : public BackendBuffer {
-   public:
+ public:
     explicit CpuBackend(const BackendContext& ctx)
-        : cfg_(ctx.config), rank_(ctx.rank), num_ranks_(ctx.num_ranks),
-          e_local_(cfg_.num_experts / ctx.num_ranks), load_(static_cast<size_t>(e_local_), 0) {
+        : cfg_(ctx.config),
+          rank_(ctx.rank),
+          num_ranks_(ctx.num_ranks),
+          e_local_(cfg_.num_experts / ctx.num_ranks),
+          load_(static_cast<size_t>(e_local_), 0) {
         auto arena = std::make_shared<Arena>(num_ranks_, cfg_.max_tokens_per_rank, cfg_.hidden, message_layout(cfg_));
-        const size_t bytes = arena->total_bytes();
         const int64_t pid = ::getpid();
         const auto pids = ctx.group->all_gather_value(pid);
         const bool one_process = std::all_of(pids.begin(), pids.end(), [&](int64_t p) { return p == pid; });
         // Rank 0 creates the arena: threads share its object through g_arenas, processes map its file.
+        // When it cannot, every rank raises rank 0's code and reason.
         struct Hello {
             uint64_t arena_id;
+            int32_t code;
             char path[200];
+            char failure[400];
         };
-        Hello me{0, {}};
+        Hello me{};
         std::string failure;
+        ErrorCode failure_code = ErrorCode::kInternal;
         if (rank_ == 0) {
             try {
+                const size_t bytes = checked_arena_bytes(cfg_, num_ranks_, arena->msg);
+                ELASTICEP_INTERNAL(bytes >= arena->total_bytes(), "arena size");
                 if (one_process) {
-                    arena->attach(checked_map(::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0),
-                                              cat("mmap of ", bytes, " bytes")),
+                    arena->attach(checked_map(::mmap(nullptr, arena->total_bytes(), PROT_READ | PROT_WRITE,
+                                                     MAP_SHARED | MAP_ANONYMOUS, -1, 0),
+                                              cat("mmap of ", arena->total_bytes(), " bytes for the shared arena")),
                                   true);
                     me.arena_id = g_next_arena.fetch_add(1);
                     std::lock_guard<std::mutex> lock(g_arena_mu);
                     g_arenas[me.arena_id] = arena;
                 } else {
-                    const std::string path = arena_path(cat(pid, "-", g_next_arena.fetch_add(1)), bytes);
+                    const size_t n = arena->total_bytes();
+                    const std::string path = arena_path(cat(pid, "-", g_next_arena.fetch_add(1)), n);
                     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
-                    ELASTICEP_CHECK(fd >= 0, ErrorCode::kInternal, "CPU backend: cannot create ", path, ": ", std::strerror(errno));
-                    const bool sized = ::ftruncate(fd, static_cast<off_t>(bytes)) == 0;
-                    void* p = sized ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+                    ELASTICEP_CHECK(fd >= 0, ErrorCode::kInternal, "CPU backend: cannot create ", path, ": ",
+                                    std::strerror(errno));
+                    // Reserve the file's blocks now: a sparse file on a full disk would fault (SIGBUS) on first touch.
+                    const int fa = ::posix_fallocate(fd, 0, static_cast<off_t>(n));
+                    void* p = fa == 0 ? ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+                    if (fa != 0) errno = fa;
                     ::close(fd);
                     if (p == MAP_FAILED) ::unlink(path.c_str());
-                    arena->attach(checked_map(p, cat("mapping ", bytes, " bytes of ", path)), true);
+                    arena->attach(checked_map(p, cat("mapping ", n, " bytes of ", path)), true);
                     std::snprintf(me.path, sizeof(me.path), "%s", path.c_str());
                 }
             } catch (const Error& e) {
                 failure = e.message();
+                failure_code = e.code();
+                me.code = static_cast<int32_t>(e.code());
+                std::snprintf(me.failure, sizeof(me.failure), "%s", e.message().c_str());
             }
         }
         const Hello root = ctx.group->all_gather_value(me)[0];
         if (rank_ == 0) {
-            arena_ = arena;
+            if (failure.empty()) arena_ = arena;
         } else if (root.path[0] != '\0') {
             const int fd = ::open(root.path, O_RDWR);
-            void* p = fd >= 0 ? ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+            void* p =
+                fd >= 0 ? ::mmap(nullptr, arena->total_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
             if (fd >= 0) ::close(fd);
             if (p == MAP_FAILED) {
                 failure = cat("CPU backend: cannot map the arena file ", root.path, ": ", std::strerror(errno));
@@ -200,6 +306,10 @@ class CpuBackend final : public BackendBuffer {
         } else if (root.arena_id != 0) {
             std::lock_guard<std::mutex> lock(g_arena_mu);
             arena_ = g_arenas.at(root.arena_id);
+        } else {
+            failure_code = static_cast<ErrorCode>(root.code);
+            failure = cat("CPU backend: rank 0 could not create the shared arena: ",
+                          std::string(root.failure, strnlen(root.failure, sizeof(root.failure))));
         }
         ctx.group->barrier();  // every rank holds the arena now: drop the rendezvous entries
         if (rank_ == 0 && root.path[0] != '\0') ::unlink(root.path);
@@ -208,7 +318,11 @@ class CpuBackend final : public BackendBuffer {
             g_arenas.erase(root.arena_id);
         }
         if (arena_ == nullptr && failure.empty()) failure = "CPU backend: rank 0 could not create the shared arena";
-        ELASTICEP_CHECK(failure.empty(), ErrorCode::kInternal, failure);
+        ELASTICEP_CHECK(failure.empty(), failure_code, failure);
+        // The combine output and the count/offset metadata have fixed sizes: allocated once, here.
+        out_block_ =
+            std::make_unique<Block>(static_cast<size_t>(cfg_.max_tokens_per_rank) * cfg_.hidden * 2, "combine output");
+        meta_block_ = std::make_unique<Block>(static_cast<size_t>(2 * e_local_ + 1) * 4, "dispatch counts");
     }
 
     Device device() const override { return Device{}; }
@@ -219,6 +333,11 @@ class CpuBackend final : public BackendBuffer {
     void reset_expert_load() override { std::fill(load_.begin(), load_.end(), 0); }
 
     void check() override {
+        if (!peer_fault_.empty()) {
+            const std::string f = peer_fault_;
+            peer_fault_.clear();
+            raise(ErrorCode::kInternal, "fault from an earlier graph-mode dispatch: " + f);
+        }
         if (fault_.any()) {
             const BadRoute f = fault_;
             fault_ = BadRoute{};
@@ -226,12 +345,22 @@ class CpuBackend final : public BackendBuffer {
         }
     }
 
+    void set_dispatch_forger(testing::DispatchForger forger) override { forger_ = std::move(forger); }
+
     void dispatch(const DispatchRequest& req, HandleState& handle, DispatchResult& result) override {
         const DispatchArgs& a = *req.args;
-        const uint64_t epoch = ++epoch_;
+        if (!peer_fault_.empty()) {  // a graph-mode call received malformed data: report it before going on
+            const std::string f = peer_fault_;
+            peer_fault_.clear();
+            raise(ErrorCode::kInternal, "fault from an earlier graph-mode dispatch: " + f);
+        }
+        // Everything that may fail on this rank alone happens before the epoch advances and before
+        // any communication: the peers then see a rank that never came, not a half-finished round.
+        const OutputPtrs outs = prepare_outputs(req);
         auto data = std::make_shared<CpuHandleData>();
-        data->epoch = epoch;
         data->plan = plan_routes(a.topk_idx, cfg_.num_experts, e_local_);
+        const uint64_t epoch = ++epoch_;
+        data->epoch = epoch;
         const RoutePlan& plan = data->plan;
         // A host-synchronising call fails on every rank alike, through the count exchange, for
         // this call's bad routes or for a sticky fault an earlier graph-mode call left here.
@@ -242,9 +371,18 @@ class CpuBackend final : public BackendBuffer {
         const bool reject = rejected.any();
 
         // 1. send, once every receiver has read our previous messages
-        wait_all(kPhaseDispatch, epoch - 1, [&](int d) { return arena_->recv_done[d].load(std::memory_order_acquire); });
+        wait_all(kPhaseDispatch, epoch - 1,
+                 [&](int d) { return arena_->recv_done[d].load(std::memory_order_acquire); });
         std::vector<int64_t> sent(static_cast<size_t>(num_ranks_), 0);
         if (!reject) send_tokens(req, plan, sent);
+        if (forger_)
+            for (int d = 0; d < num_ranks_; ++d) {
+                testing::OutgoingDispatch o{
+                    rank_,      d, sent[static_cast<size_t>(d)], arena_->slot(d, rank_, 0), cfg_.max_tokens_per_rank,
+                    arena_->msg};
+                forger_(o);
+                sent[static_cast<size_t>(d)] = o.count;
+            }
         for (int d = 0; d < num_ranks_; ++d) {
             DispatchFlag& f = arena_->dflag(d, rank_, epoch);
             f.count = sent[static_cast<size_t>(d)];
@@ -252,7 +390,8 @@ class CpuBackend final : public BackendBuffer {
             f.epoch.store(epoch, std::memory_order_release);
         }
         // 2. wait for every sender
-        wait_all(kPhaseDispatch, epoch, [&](int s) { return arena_->dflag(rank_, s, epoch).epoch.load(std::memory_order_acquire); });
+        wait_all(kPhaseDispatch, epoch,
+                 [&](int s) { return arena_->dflag(rank_, s, epoch).epoch.load(std::memory_order_acquire); });
         for (int s = 0; s < num_ranks_; ++s) {
             const DispatchFlag& f = arena_->dflag(rank_, s, epoch);
             if (f.status.any()) {
@@ -260,8 +399,9 @@ class CpuBackend final : public BackendBuffer {
                 raise(ErrorCode::kInvalidArgument, rejected_dispatch_message(f.status, s, cfg_.num_experts));
             }
         }
-        // 3. receive into the layout
-        receive(req, *data, result);
+        // 3. check what the peers wrote, then receive into the layout
+        const std::vector<std::vector<uint8_t>> ok = check_messages(epoch, a.host_sync);
+        receive(req, outs, ok, *data, result);
         arena_->recv_done[rank_].store(epoch, std::memory_order_release);
         handle.num_sms = 0;
         handle.backend_data = data;
@@ -291,19 +431,22 @@ class CpuBackend final : public BackendBuffer {
         // 2. reduce at the origin in first-k destination order
         const RoutePlan& plan = data.plan;
         const int64_t t_count = plan.num_tokens;
-        TensorRef out = args.out ? *args.out
-                                 : TensorRef::contiguous(out_st_.reserve(static_cast<size_t>(t_count * h_count) * 2),
-                                                         DType::kBFloat16, {t_count, h_count});
+        TensorRef out =
+            args.out ? *args.out : TensorRef::contiguous(out_block_->data(), DType::kBFloat16, {t_count, h_count});
         const int64_t out_stride = t_count > 1 ? out.stride(0) : h_count;
         const int64_t bias_stride = args.bias && t_count > 1 ? args.bias->stride(0) : h_count;
         auto* o = static_cast<uint16_t*>(out.data);
         const uint16_t* own = arena_->comb(rank_);
         for (int64_t t = 0; t < t_count; ++t) {
             for (int h = 0; h < h_count; ++h) {
-                float acc = args.bias ? num::bf16_to_float(static_cast<const uint16_t*>(args.bias->data)[t * bias_stride + h]) : 0.0f;
-                for (int32_t i = plan.dest_offsets[static_cast<size_t>(t)]; i < plan.dest_offsets[static_cast<size_t>(t + 1)]; ++i) {
+                float acc = args.bias
+                                ? num::bf16_to_float(static_cast<const uint16_t*>(args.bias->data)[t * bias_stride + h])
+                                : 0.0f;
+                for (int32_t i = plan.dest_offsets[static_cast<size_t>(t)];
+                     i < plan.dest_offsets[static_cast<size_t>(t + 1)]; ++i) {
                     const int32_t d = plan.dests[static_cast<size_t>(i)];
-                    const size_t at = (static_cast<size_t>(d) * cfg_.max_tokens_per_rank + static_cast<size_t>(t)) * h_count + h;
+                    const size_t at =
+                        (static_cast<size_t>(d) * cfg_.max_tokens_per_rank + static_cast<size_t>(t)) * h_count + h;
                     acc = acc + num::bf16_to_float(own[at]);
                 }
                 o[t * out_stride + h] = num::float_to_bf16(acc);
@@ -312,7 +455,7 @@ class CpuBackend final : public BackendBuffer {
         return out;
     }
 
-   private:
+ private:
     template <class EpochOf>
     void wait_all(int32_t phase, uint64_t epoch, EpochOf epoch_of) {
         const auto deadline = std::chrono::steady_clock::now() + cfg_.timeout;
@@ -321,8 +464,10 @@ class CpuBackend final : public BackendBuffer {
             for (int p = 0; p < num_ranks_ && all; ++p) all = epoch_of(p) >= epoch;
             if (all) return;
             if (std::chrono::steady_clock::now() > deadline) break;
-            if (spins < 64) std::this_thread::yield();
-            else std::this_thread::sleep_for(std::chrono::microseconds(50));
+            if (spins < 64)
+                std::this_thread::yield();
+            else
+                std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
         const MissingPeers missing = scan_missing(epoch_of, num_ranks_, epoch);
         raise(ErrorCode::kTimeout, timeout_message(phase, rank_, cfg_.timeout.count(), missing, epoch));
@@ -344,16 +489,20 @@ class CpuBackend final : public BackendBuffer {
             if (begin == end) continue;
             // build the message once, then copy it to each destination
             if (req.quantize) {
-                quantize_row(static_cast<const uint16_t*>(a.x.data) + t * x_stride, h_count, cfg_.scale_format, row.data(),
-                             row.data() + m.payload_bytes);
+                quantize_row(static_cast<const uint16_t*>(a.x.data) + t * x_stride, h_count, cfg_.scale_format,
+                             row.data(), row.data() + m.payload_bytes);
             } else if (req.prequantized) {
-                std::memcpy(row.data(), static_cast<const uint8_t*>(a.x.data) + t * x_stride, static_cast<size_t>(h_count));
-                std::memcpy(row.data() + m.payload_bytes, static_cast<const uint8_t*>(a.x_scales->data) + t * s_stride * 4,
+                std::memcpy(row.data(), static_cast<const uint8_t*>(a.x.data) + t * x_stride,
+                            static_cast<size_t>(h_count));
+                std::memcpy(row.data() + m.payload_bytes,
+                            static_cast<const uint8_t*>(a.x_scales->data) + t * s_stride * 4,
                             static_cast<size_t>(scols) * 4);
             } else {
-                std::memcpy(row.data(), static_cast<const uint16_t*>(a.x.data) + t * x_stride, static_cast<size_t>(h_count) * 2);
+                std::memcpy(row.data(), static_cast<const uint16_t*>(a.x.data) + t * x_stride,
+                            static_cast<size_t>(h_count) * 2);
             }
-            std::memcpy(row.data() + m.idx_offset, &plan.idx[static_cast<size_t>(t * k_count)], static_cast<size_t>(k_count) * 4);
+            std::memcpy(row.data() + m.idx_offset, &plan.idx[static_cast<size_t>(t * k_count)],
+                        static_cast<size_t>(k_count) * 4);
             auto* w = reinterpret_cast<float*>(row.data() + m.weight_offset);
             for (int k = 0; k < k_count; ++k)
                 w[k] = a.topk_weights ? static_cast<const float*>(a.topk_weights->data)[t * w_stride + k] : 0.0f;
@@ -361,12 +510,102 @@ class CpuBackend final : public BackendBuffer {
             std::memcpy(row.data() + m.src_offset, &src, 4);
             for (int32_t i = begin; i < end; ++i) {
                 const int d = plan.dests[static_cast<size_t>(i)];
-                std::memcpy(arena_->slot(d, rank_, sent[static_cast<size_t>(d)]++), row.data(), static_cast<size_t>(m.bytes));
+                std::memcpy(arena_->slot(d, rank_, sent[static_cast<size_t>(d)]++), row.data(),
+                            static_cast<size_t>(m.bytes));
             }
         }
     }
 
-    void receive(const DispatchRequest& req, CpuHandleData& data, DispatchResult& result) {
+    // Slots of OutputStore: one per (output, layout).
+    static int store_slot(int output, Layout layout) { return output * 2 + (layout == Layout::kExpertMasked ? 1 : 0); }
+
+    OutputPtrs prepare_outputs(const DispatchRequest& req) {
+        const DispatchArgs& a = *req.args;
+        const auto cap = dispatch_output_specs(cfg_, num_ranks_, a.layout, req.rows_cap, a.scales_mn_major);
+        auto ptr = [&](const std::optional<TensorRef>& given, const OutputSpec& spec, int output, const char* what) {
+            if (given) return given->data;
+            return outputs_.get(store_slot(output, a.layout),
+                                static_cast<size_t>(spec.storage_elems) * dtype_size(spec.dtype), what);
+        };
+        OutputPtrs p;
+        p.recv_x = ptr(a.outputs.recv_x, cap.recv_x, 0, "recv_x");
+        if (cap.recv_scales) p.recv_scales = ptr(a.outputs.recv_scales, *cap.recv_scales, 1, "recv_scales");
+        p.recv_weights = ptr(a.outputs.recv_weights, cap.recv_weights, 2, "recv_weights");
+        p.recv_src = ptr(a.outputs.recv_src, cap.recv_src, 3, "recv_src");
+        if (cap.m_indices) p.m_indices = ptr(a.outputs.m_indices, *cap.m_indices, 4, "m_indices");
+        return p;
+    }
+
+    // Checks every count and message the peers published for this epoch against the protocol:
+    // counts in [0, C]; per message a source token in [0, C), ascending per sender; expert ids in
+    // [-1, E), none repeated, at least one held here. Returns a mask of the messages to use. The
+    // first violation names its sender: raised at once with host sync (after this rank has read its
+    // round, so no peer waits on it), recorded as a sticky fault in graph mode.
+    std::vector<std::vector<uint8_t>> check_messages(uint64_t epoch, bool host_sync) {
+        const MessageLayout& m = arena_->msg;
+        const int64_t cap = cfg_.max_tokens_per_rank;
+        std::string fault;
+        auto note = [&](int s, const std::string& what) {
+            if (fault.empty())
+                fault = cat("dispatch: rank ", rank_, " received malformed data from rank ", s, ": ", what,
+                            "; that data was dropped, nothing was written for it (a peer broke the protocol: "
+                            "memory corruption or a library bug, please report it)");
+        };
+        std::vector<std::vector<uint8_t>> ok(static_cast<size_t>(num_ranks_));
+        for (int s = 0; s < num_ranks_; ++s) {
+            const int64_t n = arena_->dflag(rank_, s, epoch).count;
+            if (n < 0 || n > cap) {
+                note(s, cat("it announced ", n, " messages, outside [0, max_tokens_per_rank=", cap, "]"));
+                continue;
+            }
+            auto& mask = ok[static_cast<size_t>(s)];
+            mask.assign(static_cast<size_t>(n), 1);
+            int64_t prev = -1;
+            for (int64_t j = 0; j < n; ++j) {
+                const uint8_t* msg = arena_->slot(rank_, s, j);
+                int32_t src_t;
+                std::memcpy(&src_t, msg + m.src_offset, 4);
+                std::string bad;
+                if (src_t < 0 || src_t >= cap) {
+                    bad = cat("source token ", src_t, " outside [0, ", cap, ")");
+                } else if (src_t <= prev) {
+                    bad = cat("source token ", src_t, " after token ", prev, " (tokens arrive once each, ascending)");
+                } else {
+                    int local = 0;
+                    for (int k = 0; k < cfg_.num_topk && bad.empty(); ++k) {
+                        int32_t e;
+                        std::memcpy(&e, msg + m.idx_offset + 4 * k, 4);
+                        if (e < -1 || e >= cfg_.num_experts)
+                            bad = cat("expert id ", e, " at k=", k, " outside [-1, ", cfg_.num_experts, ")");
+                        for (int q = 0; q < k && bad.empty() && e >= 0; ++q) {
+                            int32_t f;
+                            std::memcpy(&f, msg + m.idx_offset + 4 * q, 4);
+                            if (f == e) bad = cat("expert id ", e, " repeated at k=", q, " and k=", k);
+                        }
+                        if (e >= 0 && e / e_local_ == rank_) ++local;
+                    }
+                    if (bad.empty() && local == 0) bad = "no route to an expert of this rank";
+                }
+                if (!bad.empty()) {
+                    note(s, cat("message ", j, " of ", n, ": ", bad));
+                    mask[static_cast<size_t>(j)] = 0;
+                } else {
+                    prev = src_t;
+                }
+            }
+        }
+        if (!fault.empty()) {
+            if (host_sync) {
+                arena_->recv_done[rank_].store(epoch, std::memory_order_release);
+                raise(ErrorCode::kInternal, fault + "; no outputs were returned");
+            }
+            if (peer_fault_.empty()) peer_fault_ = fault;
+        }
+        return ok;
+    }
+
+    void receive(const DispatchRequest& req, const OutputPtrs& outs, const std::vector<std::vector<uint8_t>>& ok,
+                 CpuHandleData& data, DispatchResult& result) {
         const DispatchArgs& a = *req.args;
         const MessageLayout& m = arena_->msg;
         const int k_count = cfg_.num_topk;
@@ -376,47 +615,52 @@ class CpuBackend final : public BackendBuffer {
         const size_t row_bytes = static_cast<size_t>(h_count) * (fp8 ? 1 : 2);
         const bool contiguous = a.layout == Layout::kExpertContiguous;
         const int64_t rc = int64_t{num_ranks_} * cfg_.max_tokens_per_rank;
+        auto for_each_message = [&](auto fn) {
+            for (int s = 0; s < num_ranks_; ++s) {
+                const auto& mask = ok[static_cast<size_t>(s)];
+                for (size_t j = 0; j < mask.size(); ++j)
+                    if (mask[j]) fn(s, arena_->slot(rank_, s, static_cast<int64_t>(j)));
+            }
+        };
 
         // counts per local expert, in (s, j) order
         std::vector<int32_t> counts(static_cast<size_t>(e_local_), 0);
-        for (int s = 0; s < num_ranks_; ++s) {
-            const int64_t n = arena_->dflag(rank_, s, data.epoch).count;
-            for (int64_t j = 0; j < n; ++j) {
-                const auto* idx = reinterpret_cast<const int32_t*>(arena_->slot(rank_, s, j) + m.idx_offset);
-                for (int k = 0; k < k_count; ++k)
-                    if (idx[k] >= 0 && idx[k] / e_local_ == rank_) ++counts[static_cast<size_t>(idx[k] % e_local_)];
-            }
-        }
+        for_each_message([&](int, const uint8_t* msg) {
+            const auto* idx = reinterpret_cast<const int32_t*>(msg + m.idx_offset);
+            for (int k = 0; k < k_count; ++k)
+                if (idx[k] >= 0 && idx[k] / e_local_ == rank_) ++counts[static_cast<size_t>(idx[k] % e_local_)];
+        });
         std::vector<int64_t> start(static_cast<size_t>(e_local_) + 1, 0);
         for (int l = 0; l < e_local_; ++l)
             start[static_cast<size_t>(l) + 1] =
-                start[static_cast<size_t>(l)] + (contiguous ? round_up(counts[static_cast<size_t>(l)], a.expert_alignment) : 0);
+                start[static_cast<size_t>(l)] +
+                (contiguous ? round_up(counts[static_cast<size_t>(l)], a.expert_alignment) : 0);
         const int64_t m_rows = start[static_cast<size_t>(e_local_)];
+        // checked messages cannot overflow the worst case; the layout relies on it
+        ELASTICEP_INTERNAL(!contiguous || m_rows <= req.rows_cap, "received rows ", m_rows, " exceed M_cap ",
+                           req.rows_cap);
         const int64_t rows_out = contiguous ? (a.host_sync ? m_rows : req.rows_cap) : rc;
 
-        // outputs: caller-provided (fixed worst-case shape) or buffer-owned
+        // outputs: caller-provided (fixed worst-case shape) or buffer-owned, both with the strides of
+        // the worst case's storage
         const auto cap_specs = dispatch_output_specs(cfg_, num_ranks_, a.layout, req.rows_cap, a.scales_mn_major);
         const auto specs = dispatch_output_specs(cfg_, num_ranks_, a.layout, rows_out, a.scales_mn_major);
-        auto bind = [&](const std::optional<TensorRef>& given, const OutputSpec& cap, const OutputSpec& spec, Storage& st) {
-            if (given) {
-                TensorRef t = *given;
-                t.strides = cap.strides;
-                t.shape = spec.shape;
-                return t;
-            }
-            return spec.bind(st.reserve(static_cast<size_t>(cap.storage_elems) * dtype_size(cap.dtype)), Device{});
+        auto bind = [&](void* data_ptr, const OutputSpec& cap, const OutputSpec& spec, bool given) {
+            TensorRef t = spec.bind(data_ptr, Device{});
+            if (given) t.strides = cap.strides;
+            return t;
         };
-        result.recv_x = bind(a.outputs.recv_x, cap_specs.recv_x, specs.recv_x, x_st_);
-        result.recv_weights = bind(a.outputs.recv_weights, cap_specs.recv_weights, specs.recv_weights, w_st_);
-        result.recv_src = bind(a.outputs.recv_src, cap_specs.recv_src, specs.recv_src, src_st_);
-        if (fp8) {
-            OutputSpec sspec = *specs.recv_scales;
-            if (a.outputs.recv_scales) sspec.strides = cap_specs.recv_scales->strides;  // caller's tensor keeps its stride
-            result.recv_scales = a.outputs.recv_scales ? sspec.bind(a.outputs.recv_scales->data, Device{})
-                                                       : sspec.bind(sc_st_.reserve(static_cast<size_t>(cap_specs.recv_scales->storage_elems) * 4), Device{});
-        }
-        if (contiguous) result.m_indices = bind(a.outputs.m_indices, *cap_specs.m_indices, *specs.m_indices, mi_st_);
-        auto* counts_out = static_cast<int32_t*>(meta_st_.reserve(static_cast<size_t>(2 * e_local_ + 1) * 4));
+        result.recv_x = bind(outs.recv_x, cap_specs.recv_x, specs.recv_x, a.outputs.recv_x.has_value());
+        result.recv_weights =
+            bind(outs.recv_weights, cap_specs.recv_weights, specs.recv_weights, a.outputs.recv_weights.has_value());
+        result.recv_src = bind(outs.recv_src, cap_specs.recv_src, specs.recv_src, a.outputs.recv_src.has_value());
+        if (fp8)
+            result.recv_scales = bind(outs.recv_scales, *cap_specs.recv_scales, *specs.recv_scales,
+                                      a.outputs.recv_scales.has_value());  // the caller's tensor keeps its stride
+        if (contiguous)
+            result.m_indices =
+                bind(outs.m_indices, *cap_specs.m_indices, *specs.m_indices, a.outputs.m_indices.has_value());
+        auto* counts_out = static_cast<int32_t*>(meta_block_->data());
         std::memcpy(counts_out, counts.data(), counts.size() * 4);
         result.counts = TensorRef::contiguous(counts_out, DType::kInt32, {e_local_});
         if (contiguous) {
@@ -459,41 +703,41 @@ class CpuBackend final : public BackendBuffer {
 
         // place rows in (s, j) order and remember each route's row for combine
         std::vector<int64_t> fill(static_cast<size_t>(e_local_), 0);
-        for (int s = 0; s < num_ranks_; ++s) {
-            const int64_t n = arena_->dflag(rank_, s, data.epoch).count;
-            for (int64_t j = 0; j < n; ++j) {
-                const uint8_t* msg = arena_->slot(rank_, s, j);
-                const auto* idx = reinterpret_cast<const int32_t*>(msg + m.idx_offset);
-                const auto* w = reinterpret_cast<const float*>(msg + m.weight_offset);
-                int32_t src_t;
-                std::memcpy(&src_t, msg + m.src_offset, 4);
-                CpuHandleData::Msg rec{s, src_t, static_cast<int32_t>(data.route_rows.size()), 0};
-                for (int k = 0; k < k_count; ++k) {
-                    if (idx[k] < 0 || idx[k] / e_local_ != rank_) continue;
-                    const int64_t l = idx[k] % e_local_;
-                    const int64_t pos = fill[static_cast<size_t>(l)]++;
-                    const int64_t row = contiguous ? start[static_cast<size_t>(l)] + pos : l * rc + pos;
-                    std::memcpy(rx + row * static_cast<int64_t>(row_bytes), msg, row_bytes);
-                    for (int c = 0; c < scols; ++c) std::memcpy(&scale_at(l, pos, row, c), msg + m.payload_bytes + 4 * c, 4);
-                    rw[row] = w[k];
-                    rs[row] = static_cast<int32_t>(s * cfg_.max_tokens_per_rank + src_t);
-                    if (mi) mi[row] = static_cast<int32_t>(l);
-                    data.route_rows.push_back(row);
-                    data.route_weights.push_back(w[k]);
-                }
-                rec.route_end = static_cast<int32_t>(data.route_rows.size());
-                data.msgs.push_back(rec);
+        for_each_message([&](int s, const uint8_t* msg) {
+            const auto* idx = reinterpret_cast<const int32_t*>(msg + m.idx_offset);
+            const auto* w = reinterpret_cast<const float*>(msg + m.weight_offset);
+            int32_t src_t;
+            std::memcpy(&src_t, msg + m.src_offset, 4);
+            CpuHandleData::Msg rec{s, src_t, static_cast<int32_t>(data.route_rows.size()), 0};
+            for (int k = 0; k < k_count; ++k) {
+                if (idx[k] < 0 || idx[k] / e_local_ != rank_) continue;
+                const int64_t l = idx[k] % e_local_;
+                const int64_t pos = fill[static_cast<size_t>(l)]++;
+                const int64_t row = contiguous ? start[static_cast<size_t>(l)] + pos : l * rc + pos;
+                std::memcpy(rx + row * static_cast<int64_t>(row_bytes), msg, row_bytes);
+                for (int c = 0; c < scols; ++c)
+                    std::memcpy(&scale_at(l, pos, row, c), msg + m.payload_bytes + 4 * c, 4);
+                rw[row] = w[k];
+                rs[row] = static_cast<int32_t>(s * cfg_.max_tokens_per_rank + src_t);
+                if (mi) mi[row] = static_cast<int32_t>(l);
+                data.route_rows.push_back(row);
+                data.route_weights.push_back(w[k]);
             }
-        }
+            rec.route_end = static_cast<int32_t>(data.route_rows.size());
+            data.msgs.push_back(rec);
+        });
     }
 
     BufferConfig cfg_;
     int rank_, num_ranks_, e_local_;
     std::shared_ptr<Arena> arena_;
     uint64_t epoch_ = 0;
-    BadRoute fault_{};  // sticky: first invalid route of a graph-mode call, until reported
+    BadRoute fault_{};        // sticky: first invalid route of a graph-mode call, until reported
+    std::string peer_fault_;  // sticky: first malformed peer data of a graph-mode call, until reported
     std::vector<int64_t> load_;
-    Storage x_st_, sc_st_, w_st_, src_st_, mi_st_, meta_st_, out_st_;
+    OutputStore outputs_;
+    std::unique_ptr<Block> out_block_, meta_block_;
+    testing::DispatchForger forger_;
 };
 
 }  // namespace
