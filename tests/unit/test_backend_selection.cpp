@@ -1,6 +1,7 @@
 // Backend selection by (backend, topology): topology=hybrid is validated and keyed but no backend
 // implements it yet, so every rank gets Unsupported saying so, before anything is allocated, and no
-// message steers users towards it. The rank limit names kMaxRanks.
+// message steers users towards it. The rank limit names kMaxRanks (BufferConfig::validate and
+// Buffer::create alike).
 #include "core/limits.hpp"
 #include "harness.hpp"
 
@@ -56,6 +57,43 @@ TEST(BackendSelection, RankLimitNamesKMaxRanks) {
     }();
     EXPECT_TRUE(is_error(e, ErrorCode::kUnsupported, {std::to_string(2 * kMaxRanks), "kMaxRanks=1024"}));
     EXPECT_EQ(describe(e).find("hybrid"), std::string::npos) << describe(e);
+}
+
+// A group that claims `size` ranks and counts the collectives anyone tries on it.
+class ClaimedSizeGroup final : public Group {
+ public:
+    explicit ClaimedSizeGroup(int size) : size_(size) {}
+    int rank() const override { return 0; }
+    int size() const override { return size_; }
+    void all_gather(const void*, size_t, void*) override {
+        ++collectives;
+        throw Error(ErrorCode::kInternal, "test: no collective expected");
+    }
+    void barrier() override {
+        ++collectives;
+        throw Error(ErrorCode::kInternal, "test: no collective expected");
+    }
+    std::string identity() const override { return "claimed-size"; }
+    int collectives = 0;
+
+ private:
+    int size_;
+};
+
+// Buffer::create refuses a group above the limit before any collective (every rank of such a group
+// does so alone, at once), with validate's code and the constant's name.
+TEST(BackendSelection, CreateRefusesAGroupAboveKMaxRanksBeforeAnyCollective) {
+    const BufferConfig cfg{.num_experts = 2 * kMaxRanks, .num_topk = 2, .hidden = 128, .max_tokens_per_rank = 1};
+    for (int size : {kMaxRanks + 1, 2 * kMaxRanks}) {
+        auto g = std::make_shared<ClaimedSizeGroup>(size);
+        EXPECT_TRUE(throws_error([&] { Buffer::create(g, cfg, BackendKind::kCPU); }, ErrorCode::kUnsupported,
+                                 {"group has " + std::to_string(size) + " ranks", "kMaxRanks=1024"}));
+        EXPECT_EQ(g->collectives, 0) << size;
+    }
+    auto empty = std::make_shared<ClaimedSizeGroup>(0);
+    EXPECT_TRUE(throws_error([&] { Buffer::create(empty, cfg, BackendKind::kCPU); }, ErrorCode::kInvalidArgument,
+                             {"size() is 0", "fix the Group implementation"}));
+    EXPECT_EQ(empty->collectives, 0);
 }
 
 }  // namespace
