@@ -9,7 +9,7 @@
 
 namespace elasticep {
 
-inline constexpr int kMaxGroupSize = 1 << 16;                // ranks in one group
+inline constexpr int kMaxRanks = 1024;                       // ranks in one group (Group::size)
 inline constexpr int kMaxExperts = 1 << 16;                  // num_experts
 inline constexpr int kMaxTopk = 32;                          // num_topk
 inline constexpr int kMaxHidden = 1 << 16;                   // hidden

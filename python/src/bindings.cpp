@@ -820,7 +820,7 @@ NB_MODULE(_C, m) {
         .def_static(
             "reservation_bytes",
             [](const BufferConfig& c, nb::handle num_ranks, const std::string& backend) {
-                return Buffer::reservation_bytes(c, to_int(num_ranks, "num_ranks", "[1, 65536]"),
+                return Buffer::reservation_bytes(c, to_int(num_ranks, "num_ranks", "[1, 1024]"),
                                                  parse_backend(backend));
             },
             "config"_a, "num_ranks"_a, "backend"_a)

@@ -21,7 +21,6 @@ using DispatchForger = std::function<void(OutgoingDispatch&)>;
 
 struct HandleState {
     uint64_t buffer_id = 0;
-    uint64_t sequence = 0;              // which dispatch of the buffer made it
     std::atomic<bool> consumed{false};  // set once, by the first combine that takes the handle
     Layout layout = Layout::kExpertContiguous;
     int num_sms = 0;
@@ -67,6 +66,11 @@ struct BackendContext {
     int num_ranks = 1;
     uint64_t buffer_id = 0;
 };
+
+// A backend for (kind, topology) from the table in src/core/backends.cpp (kind already resolved:
+// not kAuto); Unsupported for a pair no backend implements (today: every hybrid pair).
+std::unique_ptr<BackendBuffer> make_backend(BackendKind kind, Topology topology, const BackendContext& ctx);
+size_t backend_reservation_bytes(BackendKind kind, Topology topology, const BufferConfig& config, int num_ranks);
 
 // The handle rule for a layer that rejects a combine before Buffer::combine sees it (the Python
 // bindings converting their arguments): consumes `handle` exactly as a failed combine does.

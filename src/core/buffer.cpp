@@ -179,11 +179,14 @@ std::pair<ErrorCode, std::string> explain(const std::exception_ptr& e, const std
 }
 
 // The group's size() as create may use it for a gather: a Group whose size() throws or is out of
-// range cannot take part in any collective, so its rank fails alone.
+// range cannot take part in any collective, so its rank fails alone. Above kMaxRanks that is every
+// rank of the group, each with the same Unsupported error as BufferConfig::validate's.
 int checked_group_size(Group& group) {
     const int size = group.size();
-    ELASTICEP_CHECK_ARG(size >= 1 && size <= kMaxGroupSize, "Buffer::create: the group's size() is ", size,
-                        ", outside [1, ", kMaxGroupSize, "]; fix the Group implementation");
+    ELASTICEP_CHECK_ARG(size >= 1, "Buffer::create: the group's size() is ", size,
+                        ", below 1; fix the Group implementation");
+    ELASTICEP_CHECK(size <= kMaxRanks, ErrorCode::kUnsupported, "Buffer::create: the group has ", size,
+                    " ranks (its size()); ElasticEP supports at most kMaxRanks=", kMaxRanks, " ranks per group");
     return size;
 }
 
@@ -308,7 +311,7 @@ class BufferImpl {
         // every other rank raises the same code with that rank's message.
         std::exception_ptr failure;
         try {
-            impl->backend_ = kind == BackendKind::kCUDA ? make_cuda_backend(ctx) : make_cpu_backend(ctx);
+            impl->backend_ = make_backend(kind, config.topology, ctx);
         } catch (...) {
             failure = std::current_exception();
         }
@@ -473,7 +476,6 @@ class BufferImpl {
         const DispatchRequest req = validate_dispatch(args);
         auto state = std::make_shared<HandleState>();
         state->buffer_id = buffer_id_;
-        state->sequence = ++sequence_;
         state->layout = args.layout;
         state->has_weights = req.has_weights;
         state->num_tokens = req.num_tokens;
@@ -558,7 +560,6 @@ class BufferImpl {
     int rank_ = 0;
     int num_ranks_ = 1;
     uint64_t buffer_id_ = 0;
-    uint64_t sequence_ = 0;
     std::string broken_;
     std::shared_ptr<HandleState> outstanding_;
     std::unique_ptr<BackendBuffer> backend_;
@@ -619,12 +620,10 @@ BackendKind Buffer::resolve_backend(BackendKind backend) {
 size_t Buffer::reservation_bytes(const BufferConfig& config, int num_ranks, BackendKind backend) {
     config.validate(num_ranks);
     const BackendKind kind = backend == BackendKind::kAuto ? resolve_backend(backend) : backend;
-    if (kind == BackendKind::kCUDA) {
+    if (kind == BackendKind::kCUDA)
         ELASTICEP_CHECK(detail::cuda_backend_compiled(), ErrorCode::kUnsupported,
                         "the CUDA backend is not compiled in");
-        return detail::cuda_reservation_bytes(config, num_ranks);
-    }
-    return detail::cpu_reservation_bytes(config, num_ranks);
+    return detail::backend_reservation_bytes(kind, config.topology, config, num_ranks);
 }
 
 DispatchResult Buffer::dispatch(const DispatchArgs& args) { return impl_->dispatch(args); }

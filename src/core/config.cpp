@@ -4,6 +4,7 @@
 
 #include "core/check.hpp"
 #include "core/layout.hpp"
+#include "core/limits.hpp"
 
 namespace elasticep {
 
@@ -98,8 +99,8 @@ void validate_timeout(std::chrono::milliseconds timeout, const char* what) {
 void BufferConfig::validate(int num_ranks) const {
     using detail::cat;
     ELASTICEP_CHECK_ARG(num_ranks >= 1, "the group has ", num_ranks, " ranks; need at least 1");
-    ELASTICEP_CHECK_ARG(num_ranks <= kMaxGroupSize, "the group has ", num_ranks, " ranks; at most ", kMaxGroupSize,
-                        " are supported");
+    ELASTICEP_CHECK(num_ranks <= kMaxRanks, ErrorCode::kUnsupported, "the group has ", num_ranks,
+                    " ranks; ElasticEP supports at most kMaxRanks=", kMaxRanks, " ranks per group");
     ELASTICEP_CHECK_ARG(payload == Payload::kBF16 || payload == Payload::kFP8, "payload=", static_cast<int>(payload),
                         " is not a Payload (bf16 or fp8)");
     ELASTICEP_CHECK_ARG(valid_scale_format(scale_format), "scale_format=", static_cast<int>(scale_format),
@@ -112,7 +113,7 @@ void BufferConfig::validate(int num_ranks) const {
     ELASTICEP_CHECK_ARG(num_experts % num_ranks == 0, "num_experts=", num_experts,
                         " must be a multiple of the number of ranks (", num_ranks, ")");
     ELASTICEP_CHECK_ARG(num_topk >= 1 && num_topk <= kMaxTopk, "num_topk=", num_topk, " must be in [1, ", kMaxTopk,
-                        "]");
+                        "] (kMaxTopk)");
     ELASTICEP_CHECK_ARG(num_topk <= num_experts, "num_topk=", num_topk, " exceeds num_experts=", num_experts,
                         " (a top-k row may not repeat an expert)");
     ELASTICEP_CHECK_ARG(hidden >= 1, "hidden=", hidden, " must be positive");
@@ -129,12 +130,12 @@ void BufferConfig::validate(int num_ranks) const {
                         " must be at least 1 (it is the per-rank token capacity reserved in memory)");
     const int64_t slots = int64_t{num_ranks} * max_tokens_per_rank * num_topk;
     ELASTICEP_CHECK_ARG(slots < kMaxRouteSlots, "ranks * max_tokens_per_rank * num_topk = ", slots,
-                        " is too large for int32 row indices (limit 2^30); lower max_tokens_per_rank");
+                        " is too large for int32 row indices (limit kMaxRouteSlots=2^30); lower max_tokens_per_rank");
     // The masked slab has E_local * R * C rows (= E * C): its row indices are int32 on every backend.
     const int64_t masked_rows = int64_t{num_experts} * max_tokens_per_rank;
     ELASTICEP_CHECK_ARG(masked_rows < kMaxRows, "num_experts * max_tokens_per_rank = ", masked_rows,
                         " rows of the masked layout (E_local * ranks * max_tokens_per_rank) is too large for int32 "
-                        "row indices (limit 2^31); lower max_tokens_per_rank to at most ",
+                        "row indices (limit kMaxRows=2^31); lower max_tokens_per_rank to at most ",
                         (kMaxRows - 1) / num_experts);
     ELASTICEP_CHECK_ARG(num_sms >= 0 && num_sms <= kMaxSms, "num_sms=", num_sms, " must be in [0, ", kMaxSms,
                         "] (0 picks it automatically)");

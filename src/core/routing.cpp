@@ -4,14 +4,6 @@
 
 namespace elasticep::detail {
 
-std::string describe_bad_route(const BadRoute& b, int rank, int num_experts) {
-    if (b.kind == 1)
-        return cat("invalid expert id at rank ", rank, ", token ", b.token, ", k=", b.k, ": value ", b.value,
-                   " is outside [-1, ", num_experts, ") (-1 means no route)");
-    return cat("invalid top-k row at rank ", rank, ", token ", b.token, ", k=", b.k, ": expert id ", b.value,
-               " repeats k=", b.dup_of, " (a token may pick each expert once)");
-}
-
 RoutePlan plan_routes(const TensorRef& topk_idx, int num_experts, int num_local_experts) {
     RoutePlan p;
     const int64_t t_count = topk_idx.size(0);
@@ -29,13 +21,13 @@ RoutePlan plan_routes(const TensorRef& topk_idx, int num_experts, int num_local_
         for (int k = 0; k < k_count; ++k) {
             const int64_t e = wide ? static_cast<const int64_t*>(topk_idx.data)[t * row_stride + k]
                                    : static_cast<const int32_t*>(topk_idx.data)[t * row_stride + k];
-            BadRoute bad;
+            BadRoute bad{};
             if (e < -1 || e >= num_experts) {
-                bad = BadRoute{1, static_cast<int32_t>(t), k, -1, e};
+                bad = BadRoute{kRouteOutOfRange, static_cast<int32_t>(t), k, -1, e, 0, 0};
             } else if (e >= 0) {
                 for (int j = 0; j < k; ++j)
                     if (row[j] == e) {
-                        bad = BadRoute{2, static_cast<int32_t>(t), k, j, e};
+                        bad = BadRoute{kRouteRepeated, static_cast<int32_t>(t), k, j, e, 0, 0};
                         break;
                     }
             }

@@ -5,21 +5,14 @@
 #include <string>
 #include <vector>
 
+#include "core/protocol.hpp"
 #include "elasticep/tensor.hpp"
 
 namespace elasticep::detail {
 
-// The first invalid route of a call (SEMANTICS.md: ids outside [-1, E), or a repeated id).
-struct BadRoute {
-    int32_t kind = 0;  // 0 none, 1 out of range, 2 duplicate
-    int32_t token = -1;
-    int32_t k = -1;
-    int32_t dup_of = -1;
-    int64_t value = 0;
-    bool any() const { return kind != 0; }
-};
-
-std::string describe_bad_route(const BadRoute& b, int rank, int num_experts);
+// The first invalid route of a call (SEMANTICS.md: ids outside [-1, E), or a repeated id): the
+// protocol's RouteStatus (plain data: value-initialise it, `BadRoute b{}`).
+using BadRoute = RouteStatus;
 
 // Routes of one rank's tokens after validation. Invalid routes become -1 (dropped).
 struct RoutePlan {
@@ -28,7 +21,7 @@ struct RoutePlan {
     std::vector<int32_t> idx;           // [T, K] cleaned expert ids
     std::vector<int32_t> dest_offsets;  // [T + 1] into dests
     std::vector<int32_t> dests;         // each token's distinct destination ranks in first-k order
-    BadRoute first_bad;
+    BadRoute first_bad{};
 };
 
 // Reads topk_idx (int32 or int64, rows may be strided; host memory) and builds the plan.

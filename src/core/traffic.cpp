@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "core/check.hpp"
-#include "core/layout.hpp"
+#include "core/protocol.hpp"
 
 namespace elasticep {
 namespace {
@@ -15,11 +15,7 @@ int64_t row_payload_bytes(const BufferConfig& c) {
 
 }  // namespace
 
-int64_t message_bytes(const BufferConfig& c) {
-    const bool fp8 = c.payload == Payload::kFP8;
-    return MessageLayout::make(c.hidden, c.num_topk, fp8 ? 1 : 2, fp8 ? scale_columns(c.scale_format, c.hidden) : 0)
-        .bytes;
-}
+int64_t message_bytes(const BufferConfig& c) { return detail::message_layout(c).bytes; }
 
 Traffic& Traffic::operator+=(const Traffic& o) {
     ELASTICEP_CHECK_ARG(message_bytes == 0 || o.message_bytes == 0 || message_bytes == o.message_bytes,

@@ -1,7 +1,10 @@
-// Shared helpers of the GPU tests: GPU detection, device buffers, rank threads, and one
-// dispatch -> combine round run on the CUDA backend and on the CPU backend with the same inputs.
+// The gpu suite's harness: the shared test layer (tests/common) plus GPU detection, device memory
+// (CudaMemory for the rank runner, DevBuf for tests that drive the calls themselves), and rounds of
+// ranks as threads on the CUDA backend checked against the oracle and against the CPU backend run on
+// the same inputs.
 #pragma once
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -9,30 +12,23 @@
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "common/round_inputs.hpp"
-#include "core/numerics.hpp"
+#include "common/checks.hpp"
+#include "common/cuda_memory.hpp"
+#include "common/rank_round.hpp"
+#include "common/ranks.hpp"
+#include "common/scenario.hpp"
 #include "elasticep/elasticep.hpp"
 
-#if __has_include(<cuda_runtime.h>)
-#include <cuda_runtime.h>
-#define ELASTICEP_TEST_HAVE_CUDA 1
-#else
-#define ELASTICEP_TEST_HAVE_CUDA 0
-#endif
-
-namespace elasticep::gputest {
+namespace eptest {
 
 // Several ranks share one GPU here: give every stream its own hardware queue (before CUDA starts),
 // so no rank's launch queues behind a peer's waiting kernel (see src/backends/cuda/cuda_backend.cu).
 inline const bool kConnectionsSet = ::setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0) == 0;
 
 inline int gpu_count() {
-#if ELASTICEP_TEST_HAVE_CUDA
     if (!Buffer::backend_available(BackendKind::kCUDA)) return 0;
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {
@@ -40,20 +36,14 @@ inline int gpu_count() {
         return 0;
     }
     return n;
-#else
-    return 0;
-#endif
 }
 
-#define ELASTICEP_SKIP_WITHOUT_GPU()                                                                     \
-    do {                                                                                                 \
-        if (::elasticep::gputest::gpu_count() == 0)                                                      \
-            GTEST_SKIP() << "no usable CUDA GPU (or the CUDA backend is not compiled in): "                \
-                            "the CUDA backend tests need one";                                           \
+#define ELASTICEP_SKIP_WITHOUT_GPU()                                                                         \
+    do {                                                                                                     \
+        if (::eptest::gpu_count() == 0)                                                                      \
+            GTEST_SKIP() << "no usable CUDA GPU (or the CUDA backend is not compiled in): the CUDA backend " \
+                            "tests need one";                                                                \
     } while (0)
-
-#if ELASTICEP_TEST_HAVE_CUDA
-#define CUDA_OK(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
 struct DevBuf {
     void* ptr = nullptr;
@@ -85,27 +75,68 @@ std::vector<T> download(const void* p, size_t count) {
     }
     return v;
 }
-#endif
 
-// Runs fn(rank) on `n` threads; exceptions escaping fn become test failures naming the rank.
-inline void run_ranks(int n, const std::function<void(int)>& fn) {
-    std::vector<std::thread> threads;
-    std::vector<std::string> errors(static_cast<size_t>(n));
-    for (int r = 0; r < n; ++r)
-        threads.emplace_back([&, r] {
-            try {
-                fn(r);
-            } catch (const std::exception& e) {
-                errors[static_cast<size_t>(r)] = e.what();
-            }
-        });
-    for (auto& t : threads) t.join();
-    for (int r = 0; r < n; ++r) EXPECT_TRUE(errors[static_cast<size_t>(r)].empty()) << "rank " << r << ": " << errors[static_cast<size_t>(r)];
+// One round per scenario on a CPU buffer and a CUDA buffer of every rank (rank r on GPU r % gpus),
+// both checked against the oracle and the CUDA outcome against the CPU outcome.
+struct BackendPair {
+    std::shared_ptr<Buffer> cpu, gpu;
+};
+
+inline void expect_rounds_equal(const std::vector<Scenario>& rounds, const std::vector<std::vector<RankData>>& data,
+                                const std::vector<std::vector<RankOutcome>>& cpu,
+                                const std::vector<std::vector<RankOutcome>>& gpu, const std::string& tag) {
+    for (size_t i = 0; i < rounds.size(); ++i) {
+        const Scenario& sc = rounds[i];
+        const ExpectedRound want = expected_round(sc, data[i]);
+        for (int r = 0; r < sc.num_ranks; ++r) {
+            const size_t ri = static_cast<size_t>(r);
+            const std::string ctx = tag + " round " + std::to_string(i + 1) + " rank " + std::to_string(r);
+            expect_outcome(sc, cpu[i][ri], want.dispatch[ri], want.combine[ri], ctx + " cpu");
+            expect_outcome(sc, gpu[i][ri], want.dispatch[ri], want.combine[ri], ctx + " cuda");
+            for (const std::string& m :
+                 backend_mismatches(cpu[i][ri].got, gpu[i][ri].got, want.dispatch[ri], sc.cfg, sc.opt.zero_padding))
+                ADD_FAILURE() << ctx << " cuda vs cpu: " << m;
+            const std::string c = combine_mismatch(gpu[i][ri].out, cpu[i][ri].out, sc.cfg.hidden);
+            if (!c.empty()) ADD_FAILURE() << ctx << " cuda vs cpu: " << c;
+            EXPECT_GT(gpu[i][ri].handle_num_sms, 0) << ctx;
+        }
+    }
 }
 
-using roundgen::dispatch_args;
-using roundgen::Inputs;
-using roundgen::make_inputs;
-using roundgen::random_bf16;
+// Runs `rounds` (the same config and rank count; options may differ) on one CPU and one CUDA buffer
+// per rank, in order, and checks every round (expect_rounds_equal).
+inline void run_gpu_rounds(const std::vector<Scenario>& rounds, int gpus, const std::string& tag) {
+    const Scenario& first = rounds.front();
+    const int ranks = first.num_ranks;
+    std::vector<std::vector<RankData>> data;
+    for (const Scenario& sc : rounds) data.push_back(make_inputs(sc));
+    std::vector<std::vector<RankOutcome>> cpu(rounds.size(), std::vector<RankOutcome>(static_cast<size_t>(ranks)));
+    std::vector<std::vector<RankOutcome>> gpu = cpu;
+    auto cpu_groups = ThreadGroup::create(ranks);
+    auto gpu_groups = ThreadGroup::create(ranks);
+    const auto errors = run_ranks(ranks, [&](int r) {
+        const size_t ri = static_cast<size_t>(r);
+        BufferConfig gc = first.cfg;
+        gc.device = r % gpus;
+        cuda_ok(cudaSetDevice(gc.device), "cudaSetDevice");
+        auto cpu_buf = Buffer::create(cpu_groups[ri], first.cfg, BackendKind::kCPU);
+        auto gpu_buf = Buffer::create(gpu_groups[ri], gc, BackendKind::kCUDA);
+        Group& g = *gpu_groups[ri];
+        const RoundHooks hooks{[&] { g.barrier(); }, [&] { g.barrier(); }};
+        // device memory of every round lives until every rank is done: with several ranks on one GPU,
+        // a cudaFree can wait for the device while a peer's kernel waits for this rank
+        std::vector<std::unique_ptr<CudaMemory>> keep;
+        for (size_t i = 0; i < rounds.size(); ++i) {
+            HostMemory host;
+            cpu[i][ri] = run_rank_round(rounds[i], r, *cpu_buf, data[i][ri], host);
+            keep.push_back(std::make_unique<CudaMemory>(gc.device));
+            gpu[i][ri] = run_rank_round(rounds[i], r, *gpu_buf, data[i][ri], *keep.back(), hooks);
+            gpu_buf->check();  // surfaces a device timeout or a peer fault, if any
+        }
+        g.barrier();  // every rank done before any cudaFree
+    });
+    if (!all_ok(errors, tag)) return;
+    expect_rounds_equal(rounds, data, cpu, gpu, tag);
+}
 
-}  // namespace elasticep::gputest
+}  // namespace eptest

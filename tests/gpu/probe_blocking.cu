@@ -18,7 +18,7 @@
 
 #include "gpu_harness.hpp"
 
-namespace elasticep::gputest {
+namespace eptest {
 namespace {
 
 __global__ void spin_until(volatile int* flag, unsigned long long limit_ns) {
@@ -150,8 +150,9 @@ TEST(CudaProbe, DISABLED_ProbeBlockingCalls) {
     for (const Row& r : rows)
         std::printf("%-72s %10.1f  %s%s\n", r.name.c_str(), r.ms, r.ms > 500.0 ? "WAITED for the kernel" : "no",
                     r.err.empty() ? "" : ("  error: " + r.err).c_str());
-    std::printf("(CUDA_MODULE_LOADING=%s)\n", std::getenv("CUDA_MODULE_LOADING") ? std::getenv("CUDA_MODULE_LOADING") : "default");
+    std::printf("(CUDA_MODULE_LOADING=%s)\n",
+                std::getenv("CUDA_MODULE_LOADING") ? std::getenv("CUDA_MODULE_LOADING") : "default");
 }
 
 }  // namespace
-}  // namespace elasticep::gputest
+}  // namespace eptest

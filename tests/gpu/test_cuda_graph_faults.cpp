@@ -3,10 +3,8 @@
 // Every result is compared with the CPU backend run on the same inputs.
 #include "gpu_harness.hpp"
 
-namespace elasticep::gputest {
+namespace eptest {
 namespace {
-
-#if ELASTICEP_TEST_HAVE_CUDA
 
 BufferConfig small_config(Payload payload = Payload::kBF16) {
     BufferConfig c;
@@ -19,16 +17,34 @@ BufferConfig small_config(Payload payload = Payload::kBF16) {
     return c;
 }
 
-DispatchArgs args_for(const BufferConfig& c, const Inputs& in, const void* x, const void* idx, const void* w, Device d) {
+// One rank's inputs from the shared generator (tests/common/scenario.hpp): T tokens of bf16 x (NaNs
+// included), int64 top-k ids with -1 slots and route-less tokens, weights; contiguous storage.
+RankData inputs(const BufferConfig& c, int64_t t, uint64_t seed, bool hot = false) {
+    Scenario s;
+    s.cfg = c;
+    s.num_ranks = 1;
+    s.tokens = {t};
+    s.routing = hot ? Routing::kHotExpert : Routing::kRandom;
+    s.p_none = 1.0 / 8;
+    s.p_token_none = 1.0 / 16;
+    s.p_nan = 1.0 / 64;
+    s.idx64 = true;
+    s.seed = seed;
+    return make_inputs(s)[0];
+}
+
+DispatchArgs args_for(const BufferConfig& c, const RankData& in, const void* x, const void* idx, const void* w,
+                      Device d) {
+    const int64_t t = in.in.num_tokens;
     DispatchArgs a;
-    a.x = TensorRef::contiguous(const_cast<void*>(x), DType::kBFloat16, {in.t, c.hidden}, d);
-    a.topk_idx = TensorRef::contiguous(const_cast<void*>(idx), DType::kInt64, {in.t, c.num_topk}, d);
-    a.topk_weights = TensorRef::contiguous(const_cast<void*>(w), DType::kFloat32, {in.t, c.num_topk}, d);
+    a.x = TensorRef::contiguous(const_cast<void*>(x), DType::kBFloat16, {t, c.hidden}, d);
+    a.topk_idx = TensorRef::contiguous(const_cast<void*>(idx), DType::kInt64, {t, c.num_topk}, d);
+    a.topk_weights = TensorRef::contiguous(const_cast<void*>(w), DType::kFloat32, {t, c.num_topk}, d);
     return a;
 }
 
 // CPU reference of dispatch -> identity expert op -> weighted combine.
-std::vector<uint16_t> cpu_round(Buffer& cpu, const Inputs& in, Layout layout, int alignment, bool host_sync,
+std::vector<uint16_t> cpu_round(Buffer& cpu, const RankData& in, Layout layout, int alignment, bool host_sync,
                                 std::vector<int32_t>* counts = nullptr) {
     const BufferConfig& c = cpu.config();
     DispatchArgs a = args_for(c, in, in.x.data(), in.idx64.data(), in.w.data(), Device{});
@@ -47,7 +63,7 @@ std::vector<uint16_t> cpu_round(Buffer& cpu, const Inputs& in, Layout layout, in
     ca.weighted = true;
     CombineResult o = cpu.combine(std::move(r.handle), ca);
     const auto* p = o.out.data_as<uint16_t>();
-    return std::vector<uint16_t>(p, p + in.t * c.hidden);
+    return std::vector<uint16_t>(p, p + in.in.num_tokens * c.hidden);
 }
 
 void graph_test(int ranks, int gpus, Layout layout) {
@@ -55,7 +71,7 @@ void graph_test(int ranks, int gpus, Layout layout) {
     auto cpu_groups = ThreadGroup::create(ranks);
     auto gpu_groups = ThreadGroup::create(ranks);
     const int alignment = layout == Layout::kExpertContiguous ? 4 : 1;
-    run_ranks(ranks, [&](int r) {
+    all_ok(run_ranks(ranks, [&](int r) {
         BufferConfig gc = cfg;
         gc.device = r % gpus;
         cudaSetDevice(gc.device);
@@ -65,7 +81,7 @@ void graph_test(int ranks, int gpus, Layout layout) {
         cudaStream_t s;
         cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
         const int64_t t = cfg.max_tokens_per_rank - (r % 2);  // fixed per rank across replays, uneven across ranks
-        Inputs in = make_inputs(cfg, t, 500 + static_cast<uint64_t>(r), false, true, false);
+        RankData in = inputs(cfg, t, 500 + static_cast<uint64_t>(r));
         DevBuf dx = DevBuf::upload(in.x), didx = DevBuf::upload(in.idx64), dw = DevBuf::upload(in.w);
         DevBuf dout(static_cast<size_t>(t * cfg.hidden) * 2);
         const int64_t rows = layout == Layout::kExpertContiguous
@@ -92,7 +108,7 @@ void graph_test(int ranks, int gpus, Layout layout) {
             gpu->combine(std::move(res.handle), ca);
         };
         gpu->group()->barrier();  // every rank's allocations done before the first collective
-        step();  // warm-up outside the graph: buffer-owned outputs get their memory here
+        step();                   // warm-up outside the graph: buffer-owned outputs get their memory here
         ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
         cpu_round(*cpu, in, layout, alignment, false);  // keep the CPU group's call count in step
 
@@ -103,8 +119,7 @@ void graph_test(int ranks, int gpus, Layout layout) {
         cudaGraphExec_t exec;
         ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
         for (int replay = 0; replay < 3; ++replay) {
-            Inputs fresh = make_inputs(cfg, t, 900 + static_cast<uint64_t>(replay * 16 + r), false, true, false,
-                                       replay == 1);
+            RankData fresh = inputs(cfg, t, 900 + static_cast<uint64_t>(replay * 16 + r), replay == 1);
             cudaMemcpyAsync(dx.ptr, fresh.x.data(), fresh.x.size() * 2, cudaMemcpyHostToDevice, s);
             cudaMemcpyAsync(didx.ptr, fresh.idx64.data(), fresh.idx64.size() * 8, cudaMemcpyHostToDevice, s);
             cudaMemcpyAsync(dw.ptr, fresh.w.data(), fresh.w.size() * 4, cudaMemcpyHostToDevice, s);
@@ -120,46 +135,37 @@ void graph_test(int ranks, int gpus, Layout layout) {
         cudaGraphDestroy(graph);
         gpu->check();  // nothing sticky
         cudaStreamDestroy(s);
-    });
+    }));
 }
-
-#endif
 
 TEST(CudaBackendGraph, MaskedCaptureReplay) {
     ELASTICEP_SKIP_WITHOUT_GPU();
-#if ELASTICEP_TEST_HAVE_CUDA
     graph_test(4, 1, Layout::kExpertMasked);
-#endif
 }
 
 TEST(CudaBackendGraph, ContiguousGraphModeCaptureReplay) {
     ELASTICEP_SKIP_WITHOUT_GPU();
-#if ELASTICEP_TEST_HAVE_CUDA
     graph_test(4, 1, Layout::kExpertContiguous);
-#endif
 }
 
 TEST(CudaBackendGraph, OneRankPerGpu) {
     ELASTICEP_SKIP_WITHOUT_GPU();
     if (gpu_count() < 2) GTEST_SKIP() << "needs 2 or more GPUs (found " << gpu_count() << ")";
-#if ELASTICEP_TEST_HAVE_CUDA
     graph_test(2, 2, Layout::kExpertMasked);
     graph_test(2, 2, Layout::kExpertContiguous);
-#endif
 }
 
 TEST(CudaBackendFaults, TimeoutNamesTheMissingRankAndANewBufferWorks) {
     ELASTICEP_SKIP_WITHOUT_GPU();
-#if ELASTICEP_TEST_HAVE_CUDA
     const int ranks = 4;
     BufferConfig cfg = small_config();
     cfg.timeout = std::chrono::milliseconds(300);
     auto groups = ThreadGroup::create(ranks);
     auto cpu_groups = ThreadGroup::create(ranks);
-    run_ranks(ranks, [&](int r) {
+    all_ok(run_ranks(ranks, [&](int r) {
         cudaSetDevice(0);
         const Device dev{DeviceType::kCUDA, 0};
-        Inputs in = make_inputs(cfg, 4, 40 + static_cast<uint64_t>(r), false, true, false);
+        RankData in = inputs(cfg, 4, 40 + static_cast<uint64_t>(r));
         DevBuf dx = DevBuf::upload(in.x), didx = DevBuf::upload(in.idx64), dw = DevBuf::upload(in.w);
         {
             auto gpu = Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCUDA);
@@ -192,28 +198,26 @@ TEST(CudaBackendFaults, TimeoutNamesTheMissingRankAndANewBufferWorks) {
         CombineArgs ca;
         ca.y = res.recv_x;
         CombineResult o = gpu->combine(std::move(res.handle), ca);
-        const auto got = download<uint16_t>(o.out.data, static_cast<size_t>(in.t * cfg.hidden));
+        const auto got = download<uint16_t>(o.out.data, static_cast<size_t>(in.in.num_tokens * cfg.hidden));
         EXPECT_TRUE(got == cpu_round(*cpu, in, Layout::kExpertContiguous, 1, true)) << "rank " << r;
-    });
-#endif
+    }));
 }
 
 TEST(CudaBackendFaults, HostSyncInvalidRouteFailsOnEveryRank) {
     ELASTICEP_SKIP_WITHOUT_GPU();
-#if ELASTICEP_TEST_HAVE_CUDA
     const int ranks = 2;
     const BufferConfig cfg = small_config(Payload::kFP8);
     auto groups = ThreadGroup::create(ranks);
     auto cpu_groups = ThreadGroup::create(ranks);
-    run_ranks(ranks, [&](int r) {
+    all_ok(run_ranks(ranks, [&](int r) {
         cudaSetDevice(0);
         const Device dev{DeviceType::kCUDA, 0};
         auto gpu = Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCUDA);
         auto cpu = Buffer::create(cpu_groups[static_cast<size_t>(r)], cfg, BackendKind::kCPU);
-        Inputs in = make_inputs(cfg, 6, 60 + static_cast<uint64_t>(r), false, true, false);
+        RankData in = inputs(cfg, 6, 60 + static_cast<uint64_t>(r));
         if (r == 1) {
             in.idx64[3 * 4 + 1] = in.idx64[3 * 4 + 0] = 5;  // token 3: k=1 repeats k=0
-            in.idx64[4 * 4 + 2] = 99;                        // later, out of range
+            in.idx64[4 * 4 + 2] = 99;                       // later, out of range
         }
         DevBuf dx = DevBuf::upload(in.x), didx = DevBuf::upload(in.idx64), dw = DevBuf::upload(in.w);
         groups[static_cast<size_t>(r)]->barrier();
@@ -232,7 +236,7 @@ TEST(CudaBackendFaults, HostSyncInvalidRouteFailsOnEveryRank) {
         EXPECT_NE(gpu_msg.find("rank 1, token 3, k=1"), std::string::npos) << "rank " << r << ": " << gpu_msg;
         EXPECT_EQ(gpu_msg, cpu_msg) << "rank " << r;
         // the buffer stays usable; valid input goes through
-        Inputs ok = make_inputs(cfg, 6, 70 + static_cast<uint64_t>(r), false, true, false);
+        RankData ok = inputs(cfg, 6, 70 + static_cast<uint64_t>(r));
         DevBuf ox = DevBuf::upload(ok.x), oidx = DevBuf::upload(ok.idx64), ow = DevBuf::upload(ok.w);
         std::vector<uint16_t> y(static_cast<size_t>(gpu->max_contiguous_rows(1) * cfg.hidden), 0x3f80);  // 1.0
         DevBuf dy = DevBuf::upload(y);
@@ -243,18 +247,16 @@ TEST(CudaBackendFaults, HostSyncInvalidRouteFailsOnEveryRank) {
         ca.y = TensorRef::contiguous(dy.ptr, DType::kBFloat16, res.recv_x.shape, dev);
         gpu->combine(std::move(res.handle), ca);
         gpu->check();
-    });
-#endif
+    }));
 }
 
 TEST(CudaBackendFaults, GraphModeInvalidRoutesAreDroppedAndSticky) {
     ELASTICEP_SKIP_WITHOUT_GPU();
-#if ELASTICEP_TEST_HAVE_CUDA
     const int ranks = 2;
     const BufferConfig cfg = small_config();
     auto groups = ThreadGroup::create(ranks);
     auto cpu_groups = ThreadGroup::create(ranks);
-    run_ranks(ranks, [&](int r) {
+    all_ok(run_ranks(ranks, [&](int r) {
         cudaSetDevice(0);
         const Device dev{DeviceType::kCUDA, 0};
         auto gpu = Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCUDA);
@@ -263,7 +265,7 @@ TEST(CudaBackendFaults, GraphModeInvalidRoutesAreDroppedAndSticky) {
         cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
         std::vector<DevBuf> keep;  // freed at the end: cudaFree may wait for peers' spinning kernels
         for (int round = 0; round < 2; ++round) {
-            Inputs in = make_inputs(cfg, 5, 80 + static_cast<uint64_t>(r + 10 * round), false, true, false);
+            RankData in = inputs(cfg, 5, 80 + static_cast<uint64_t>(r + 10 * round));
             if (r == 0) {
                 in.idx64[1 * 4 + 2] = cfg.num_experts + 5;  // token 1, k=2: out of range
                 in.idx64[2 * 4 + 3] = -7;                   // later: also out of range
@@ -283,7 +285,7 @@ TEST(CudaBackendFaults, GraphModeInvalidRoutesAreDroppedAndSticky) {
             ca.stream = s;
             CombineResult o = gpu->combine(std::move(res.handle), ca);
             ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-            const auto got = download<uint16_t>(o.out.data, static_cast<size_t>(in.t * cfg.hidden));
+            const auto got = download<uint16_t>(o.out.data, static_cast<size_t>(in.in.num_tokens * cfg.hidden));
             EXPECT_TRUE(got == cpu_round(*cpu, in, Layout::kExpertMasked, 1, false)) << "rank " << r;
             if (round == 0) {
                 if (r == 0) {
@@ -308,7 +310,7 @@ TEST(CudaBackendFaults, GraphModeInvalidRoutesAreDroppedAndSticky) {
                 }
                 // the next host-sync dispatch reports the sticky fault on every rank
                 groups[static_cast<size_t>(r)]->barrier();
-                Inputs ok = make_inputs(cfg, 3, 90 + static_cast<uint64_t>(r), false, true, false);
+                RankData ok = inputs(cfg, 3, 90 + static_cast<uint64_t>(r));
                 DevBuf ox = DevBuf::upload(ok.x), oidx = DevBuf::upload(ok.idx64), ow = DevBuf::upload(ok.w);
                 groups[static_cast<size_t>(r)]->barrier();
                 DispatchArgs b = args_for(cfg, ok, ox.ptr, oidx.ptr, ow.ptr, dev);
@@ -324,9 +326,51 @@ TEST(CudaBackendFaults, GraphModeInvalidRoutesAreDroppedAndSticky) {
             }
         }
         cudaStreamDestroy(s);
+    }));
+}
+
+// A rank whose CUDA backend fails before the peer exchange (here: a device that does not exist) still
+// takes part in it, so every rank raises at once instead of waiting for the group's timeout.
+TEST(CudaBackendFaults, ARankThatFailsToStartFailsEveryRankPromptly) {
+    ELASTICEP_SKIP_WITHOUT_GPU();
+    const BufferConfig cfg = small_config();
+    auto groups = ThreadGroup::create(2, std::chrono::seconds(30));
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto errors = run_ranks(2, [&](int r) {
+        BufferConfig c = cfg;
+        c.device = r == 1 ? gpu_count() + 7 : 0;
+        Buffer::create(groups[static_cast<size_t>(r)], c, BackendKind::kCUDA);
     });
-#endif
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_TRUE(is_error(errors[1], ErrorCode::kCuda, {"failed on this rank"}));
+    EXPECT_TRUE(is_error(errors[0], ErrorCode::kInternal, {"rank(s) 1"}));
+    EXPECT_LT(seconds, 10.0) << "the ranks waited for the group's timeout";
+    // the group is still in step: both ranks build a working buffer next
+    all_ok(run_ranks(2, [&](int r) { Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCUDA); }));
+}
+
+TEST(CudaBackendSelection, HybridTopologyIsRejectedOnEveryRank) {
+    ELASTICEP_SKIP_WITHOUT_GPU();
+    BufferConfig cfg = small_config();
+    cfg.topology = Topology::kHybrid;
+    cfg.ranks_per_node = 1;
+    auto groups = ThreadGroup::create(2);
+    std::vector<std::string> messages(2);
+    std::vector<ErrorCode> codes(2, ErrorCode::kInternal);
+    all_ok(run_ranks(2, [&](int r) {
+        try {
+            Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCUDA);
+        } catch (const Error& e) {
+            codes[static_cast<size_t>(r)] = e.code();
+            messages[static_cast<size_t>(r)] = e.message();
+        }
+    }));
+    for (int r = 0; r < 2; ++r) {
+        EXPECT_EQ(codes[static_cast<size_t>(r)], ErrorCode::kUnsupported) << messages[static_cast<size_t>(r)];
+        EXPECT_NE(messages[static_cast<size_t>(r)].find("topology=hybrid is not implemented"), std::string::npos)
+            << messages[static_cast<size_t>(r)];
+    }
 }
 
 }  // namespace
-}  // namespace elasticep::gputest
+}  // namespace eptest

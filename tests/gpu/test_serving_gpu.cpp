@@ -7,23 +7,23 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <random>
 
+#include "core/numerics.hpp"
 #include "gpu_harness.hpp"
 #include "moe/dense_reference.hpp"
 #include "moe/synthetic_weights.hpp"
 
-namespace elasticep::gputest {
+namespace eptest {
 namespace {
-
-#if ELASTICEP_TEST_HAVE_CUDA
 
 namespace mr = elasticep::moe_ref;
 
 const Device kGpu{DeviceType::kCUDA, 0};
 
-struct Rng {
+struct WordRng {  // raw 32-bit words for the adapters' byte-for-byte tests
     std::mt19937_64 g;
-    explicit Rng(uint64_t s) : g(s) {}
+    explicit WordRng(uint64_t s) : g(s) {}
     int uniform(int lo, int hi) { return lo + static_cast<int>(g() % static_cast<uint64_t>(hi - lo + 1)); }
     uint32_t word() { return static_cast<uint32_t>(g()); }
 };
@@ -77,7 +77,7 @@ void both(Fn&& fn, std::vector<Twin*> outputs, const std::string& what) {
 
 TEST(ServingGpu, RepackAdaptersMatchTheCpuByteForByte) {
     ELASTICEP_SKIP_WITHOUT_GPU();
-    Rng rng(1234);
+    WordRng rng(1234);
     for (int iter = 0; iter < 60; ++iter) {
         const int64_t e = rng.uniform(1, 9), s = rng.uniform(0, 11), a = std::vector<int>{1, 2, 4, 16, 128}[iter % 5];
         const int kind = iter % 3;  // 0: bf16 rows (fused weights sometimes), 1: fp8 rows, 2: fp32 rows
@@ -178,7 +178,7 @@ TEST(ServingGpu, RepackAdaptersMatchTheCpuByteForByte) {
 
 TEST(ServingGpu, RouteWeightsMatchTheCpuIncludingNaNs) {
     ELASTICEP_SKIP_WITHOUT_GPU();
-    Rng rng(77);
+    WordRng rng(77);
     const int64_t e = 5, s = 7, h = 96;
     Twin y = Twin::of(DType::kBFloat16, {e, s, h});
     for (auto& b : y.host) b = static_cast<uint8_t>(rng.word());  // every bit pattern: NaNs, Infs, subnormals
@@ -219,7 +219,7 @@ TEST(ServingGpu, RouteWeightsMatchTheCpuIncludingNaNs) {
 
 TEST(ServingGpu, ScaleConversionsMatchTheCpu) {
     ELASTICEP_SKIP_WITHOUT_GPU();
-    Rng rng(5);
+    WordRng rng(5);
     for (int64_t rows : {1, 3, 4, 130}) {
         for (int64_t g : {1, 2, 7, 56}) {
             for (int64_t b : {1, 4}) {
@@ -262,7 +262,7 @@ TEST(ServingGpu, ScaleConversionsMatchTheCpu) {
 TEST(ServingGpu, AdapterReplaysFromACudaGraph) {
     ELASTICEP_SKIP_WITHOUT_GPU();
     const int64_t e = 4, s = 16, w = 64, a = 8, mc = e * (s + a - 1);
-    Rng rng(3);
+    WordRng rng(3);
     Twin slab = Twin::of(DType::kBFloat16, {e, s, w});
     for (auto& b : slab.host) b = static_cast<uint8_t>(rng.word() & 0x3f);
     slab.push();
@@ -379,19 +379,30 @@ void run_layer_gpu(const LayerCase& lc) {
     const mr::SyntheticExperts shared = mr::make_synthetic_experts(lc.kind, 999, 1, lc.hidden, lc.inter, 31);
     const int rounds = lc.graph ? lc.replays : 1;
     // inputs[round][rank]
-    std::vector<std::vector<Inputs>> in(static_cast<size_t>(rounds));
-    for (int i = 0; i < rounds; ++i)
-        for (int r = 0; r < lc.ranks; ++r) {
-            Inputs x = make_inputs(cfg, lc.tokens[static_cast<size_t>(r)], 100 * i + 7 + r, false, true, false, i == 1);
+    // Every rank's inputs from the shared generator (tests/common/scenario.hpp), unstrided: the calls
+    // and the dense reference both read the storage (x, idx64, w). Round 1 crowds one expert.
+    std::vector<std::vector<RankData>> in(static_cast<size_t>(rounds));
+    for (int i = 0; i < rounds; ++i) {
+        Scenario sc;
+        sc.cfg = cfg;
+        sc.num_ranks = lc.ranks;
+        sc.tokens = lc.tokens;
+        sc.routing = i == 1 ? Routing::kHotExpert : Routing::kRandom;
+        sc.p_none = 1.0 / 8;
+        sc.p_token_none = 1.0 / 16;
+        sc.idx64 = true;
+        sc.seed = 100 * static_cast<uint64_t>(i) + 7;
+        in[static_cast<size_t>(i)] = make_inputs(sc);
+        for (RankData& x : in[static_cast<size_t>(i)]) {
             for (auto& v : x.x) v = num::float_to_bf16(static_cast<float>((v & 0xff) / 128.0 - 1.0));
             for (auto& w : x.w) w = std::fabs(w) * 2.5f;  // routed scaling factor folded into the weights
-            in[static_cast<size_t>(i)].push_back(std::move(x));
         }
+    }
     std::vector<std::vector<std::vector<uint16_t>>> outs(
         static_cast<size_t>(rounds), std::vector<std::vector<uint16_t>>(static_cast<size_t>(lc.ranks)));
     std::string note;
     auto groups = ThreadGroup::create(lc.ranks);
-    run_ranks(lc.ranks, [&](int r) {
+    const auto errors = run_ranks(lc.ranks, [&](int r) {
         cudaSetDevice(0);
         cudaStream_t s;
         cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
@@ -403,7 +414,7 @@ void run_layer_gpu(const LayerCase& lc) {
         ReferenceMoeLayer shared_expert(dshared.w, kGpu, MoeLayerOptions{.force_dequant = lc.force_dequant});
         if (r == 0) note = experts.path_note();
         const int64_t t = lc.tokens[static_cast<size_t>(r)];
-        const Inputs& x0 = in[0][static_cast<size_t>(r)];
+        const RankData& x0 = in[0][static_cast<size_t>(r)];
         DevBuf dx = DevBuf::upload(x0.x), didx = DevBuf::upload(x0.idx64), dw = DevBuf::upload(x0.w);
         DevBuf dshared_out(static_cast<size_t>(std::max<int64_t>(t, 1) * lc.hidden) * 2);
         DevBuf dout(static_cast<size_t>(std::max<int64_t>(t, 1) * lc.hidden) * 2);
@@ -436,7 +447,7 @@ void run_layer_gpu(const LayerCase& lc) {
             cudaGraphExec_t exec;
             ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
             for (int i = 0; i < rounds; ++i) {
-                const Inputs& xi = in[static_cast<size_t>(i)][static_cast<size_t>(r)];
+                const RankData& xi = in[static_cast<size_t>(i)][static_cast<size_t>(r)];
                 cudaMemcpyAsync(dx.ptr, xi.x.data(), xi.x.size() * 2, cudaMemcpyHostToDevice, s);
                 cudaMemcpyAsync(didx.ptr, xi.idx64.data(), xi.idx64.size() * 8, cudaMemcpyHostToDevice, s);
                 cudaMemcpyAsync(dw.ptr, xi.w.data(), xi.w.size() * 4, cudaMemcpyHostToDevice, s);
@@ -451,6 +462,7 @@ void run_layer_gpu(const LayerCase& lc) {
         buf->check();
         cudaStreamDestroy(s);
     });
+    if (!all_ok(errors, "serving layer")) return;
     const mr::ErrorModel model{.fp8 = fp8, .dequant_operands = note.find("DEQUANTIZED") != std::string::npos};
     const mr::ExpertView sv = shared.view(0);
     for (int i = 0; i < rounds; ++i) {
@@ -460,7 +472,7 @@ void run_layer_gpu(const LayerCase& lc) {
         std::vector<mr::Tracked> want(rows.size());
         mr::parallel_for(static_cast<int64_t>(rows.size()), mr::hardware_threads(), [&](int64_t j) {
             const auto [r, t] = rows[static_cast<size_t>(j)];
-            const Inputs& x = in[static_cast<size_t>(i)][static_cast<size_t>(r)];
+            const RankData& x = in[static_cast<size_t>(i)][static_cast<size_t>(r)];
             want[static_cast<size_t>(j)] = mr::moe_token(
                 x.x.data() + t * lc.hidden, lc.hidden, x.idx64.data() + t * lc.topk, x.w.data() + t * lc.topk, lc.topk,
                 [&](int64_t e) { return all.view(e); }, lc.shared ? &sv : nullptr, model);
@@ -528,7 +540,5 @@ TEST(ServingGpu, DecodeLayerReplaysFromACudaGraph) {
                                     .graph = true});
 }
 
-#endif
-
 }  // namespace
-}  // namespace elasticep::gputest
+}  // namespace eptest

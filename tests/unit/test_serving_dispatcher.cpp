@@ -8,7 +8,6 @@
 #include <map>
 #include <vector>
 
-#include "common/round_inputs.hpp"
 #include "elasticep/elasticep.hpp"
 #include "harness.hpp"
 
@@ -16,18 +15,25 @@ namespace {
 
 using namespace elasticep;
 namespace ref = elasticep::reference;
-namespace rg = elasticep::roundgen;
 using eptest::all_ok;
 using eptest::run_ranks;
 using eptest::throws_error;
 
-ref::RankInput oracle_input(const rg::Inputs& in) {
-    ref::RankInput r;
-    r.num_tokens = in.t;
-    r.x = in.x;
-    r.topk_idx = in.idx64;
-    r.topk_weights = in.w;
-    return r;
+// Every rank's inputs from the shared generator (tests/common/scenario.hpp): finite bf16 x, int64 top-k
+// ids (1 in 8 routes -1, 1 in 16 tokens with no route at all), fp32 weights; unstrided storage, so
+// d.x, d.idx64 and d.w are the rows the oracle reads in d.in.
+std::vector<eptest::RankData> round_inputs(const BufferConfig& c, const std::vector<int64_t>& tokens, uint64_t seed,
+                                           bool weights = true) {
+    eptest::Scenario sc;
+    sc.cfg = c;
+    sc.num_ranks = static_cast<int>(tokens.size());
+    sc.tokens = tokens;
+    sc.p_none = 0.125;
+    sc.p_token_none = 1.0 / 16;
+    sc.idx64 = true;
+    sc.has_weights = weights;
+    sc.seed = seed;
+    return eptest::make_inputs(sc);
 }
 
 struct Round {
@@ -44,15 +50,10 @@ TensorRef host(void* p, DType d, std::vector<int64_t> shape) { return TensorRef:
 // One dispatch -> identity experts (y = recv_x) -> combine round; checks layout and outputs.
 void run_round(const Round& rd) {
     const BufferConfig& c = rd.cfg;
-    std::vector<rg::Inputs> in;
+    // (the generator's x is finite: the weighted sums are compared bit for bit)
+    std::vector<eptest::RankData> in = round_inputs(c, rd.tokens, rd.seed);
     std::vector<ref::RankInput> oin;
-    for (int r = 0; r < rd.ranks; ++r) {
-        in.push_back(rg::make_inputs(c, rd.tokens[static_cast<size_t>(r)], rd.seed * 31 + static_cast<uint64_t>(r),
-                                     false, true, false));
-        for (auto& v : in.back().x)  // finite values: the weighted sums are compared bit for bit
-            if ((v & 0x7f80) == 0x7f80) v = 0x3f80;
-        oin.push_back(oracle_input(in.back()));
-    }
+    for (const auto& d : in) oin.push_back(d.in);
     ref::DispatchOptions o;
     o.layout = rd.phase == Phase::kDecode ? Layout::kExpertMasked : Layout::kExpertContiguous;
     o.expert_alignment = rd.phase == Phase::kDecode ? 1 : rd.opt.expert_alignment;
@@ -72,8 +73,8 @@ void run_round(const Round& rd) {
     all_ok(run_ranks(rd.ranks, [&](int r) {
         auto buf = Buffer::create(groups[static_cast<size_t>(r)], c, BackendKind::kCPU);
         MoeDispatcher disp(buf, rd.opt);
-        rg::Inputs& x = in[static_cast<size_t>(r)];
-        const int64_t t = x.t;
+        eptest::RankData& x = in[static_cast<size_t>(r)];
+        const int64_t t = x.in.num_tokens;
         const auto out = disp.dispatch(rd.phase, host(x.x.data(), DType::kBFloat16, {t, c.hidden}),
                                        host(x.idx64.data(), DType::kInt64, {t, c.num_topk}),
                                        host(x.w.data(), DType::kFloat32, {t, c.num_topk}));
@@ -205,7 +206,7 @@ TEST(MoeDispatcher, Fp8ScalesAreMnMajor) {
     all_ok(run_ranks(2, [&](int r) {
         auto buf = Buffer::create(groups[static_cast<size_t>(r)], c, BackendKind::kCPU);
         MoeDispatcher disp(buf);
-        rg::Inputs x = rg::make_inputs(c, 5, 3 + static_cast<uint64_t>(r), false, true, false);
+        eptest::RankData x = round_inputs(c, {5}, 3 + static_cast<uint64_t>(r))[0];
         for (Phase ph : {Phase::kDecode, Phase::kPrefill}) {
             const auto out = disp.dispatch(ph, host(x.x.data(), DType::kBFloat16, {5, c.hidden}),
                                            host(x.idx64.data(), DType::kInt64, {5, c.num_topk}),
@@ -230,7 +231,7 @@ TEST(MoeDispatcher, HandleLifecycle) {
     auto groups = ThreadGroup::create(1);
     auto buf = Buffer::create(groups[0], c, BackendKind::kCPU);
     MoeDispatcher disp(buf);
-    rg::Inputs x = rg::make_inputs(c, 4, 5, false, true, false);
+    eptest::RankData x = round_inputs(c, {4}, 5)[0];
     auto xt = host(x.x.data(), DType::kBFloat16, {4, c.hidden});
     auto it = host(x.idx64.data(), DType::kInt64, {4, c.num_topk});
     auto wt = host(x.w.data(), DType::kFloat32, {4, c.num_topk});
@@ -273,7 +274,7 @@ TEST(MoeDispatcher, AdapterPlacementNeedsWeights) {
     auto groups = ThreadGroup::create(1);
     auto buf = Buffer::create(groups[0], c, BackendKind::kCPU);
     MoeDispatcher disp(buf, DispatcherOptions{.weight_placement = WeightPlacement::kAdapter});
-    rg::Inputs x = rg::make_inputs(c, 2, 5, false, false, false);
+    eptest::RankData x = round_inputs(c, {2}, 5, false)[0];
     EXPECT_TRUE(throws_error(
         [&] {
             disp.dispatch(Phase::kDecode, host(x.x.data(), DType::kBFloat16, {2, c.hidden}),

@@ -8,7 +8,6 @@
 #include <cstring>
 #include <vector>
 
-#include "common/round_inputs.hpp"
 #include "elasticep/elasticep.hpp"
 #include "harness.hpp"
 #include "moe/dense_reference.hpp"
@@ -284,13 +283,20 @@ void run_layer(const LayerRun& lr) {
     const int e_local = lr.experts / lr.ranks;
     const mr::SyntheticExperts all = mr::make_synthetic_experts(lr.kind, 0, lr.experts, lr.hidden, lr.inter, 2024);
     const mr::SyntheticExperts shared = mr::make_synthetic_experts(lr.kind, 1000, 1, lr.hidden, lr.inter, 2024);
-    std::vector<roundgen::Inputs> in;
-    for (int r = 0; r < lr.ranks; ++r) {
-        roundgen::Inputs x = roundgen::make_inputs(cfg, lr.tokens[static_cast<size_t>(r)],
-                                                   500 + static_cast<uint64_t>(r), false, true, false);
+    // Every rank's inputs from the shared generator (tests/common/scenario.hpp), unstrided: the call
+    // and the dense reference below both read the storage (x, idx64, w).
+    eptest::Scenario sc;
+    sc.cfg = cfg;
+    sc.num_ranks = lr.ranks;
+    sc.tokens = lr.tokens;
+    sc.p_none = 0.125;
+    sc.p_token_none = 1.0 / 16;
+    sc.idx64 = true;
+    sc.seed = 500;
+    std::vector<eptest::RankData> in = eptest::make_inputs(sc);
+    for (eptest::RankData& x : in) {
         for (auto& v : x.x) v = eptest::bf16(static_cast<float>((v & 0xff) / 128.0 - 1.0));  // O(1), finite
         for (auto& w : x.w) w = std::fabs(w) * lr.routed_scaling;  // the routed scaling factor, folded in
-        in.push_back(std::move(x));
     }
     std::vector<std::vector<uint16_t>> outs(static_cast<size_t>(lr.ranks));
     auto groups = ThreadGroup::create(lr.ranks);
@@ -299,8 +305,8 @@ void run_layer(const LayerRun& lr) {
         MoeDispatcher disp(buf, DispatcherOptions{.expert_alignment = 4, .weight_placement = lr.placement});
         ReferenceMoeLayer experts(all.tensors(r * e_local, e_local), Device{});
         ReferenceMoeLayer shared_expert(shared.tensors(0, 1), Device{});
-        roundgen::Inputs& x = in[static_cast<size_t>(r)];
-        const int64_t t = x.t;
+        eptest::RankData& x = in[static_cast<size_t>(r)];
+        const int64_t t = x.in.num_tokens;
         const TensorRef xt = host(x.x.data(), DType::kBFloat16, {t, lr.hidden});
         std::vector<uint16_t> shared_out(static_cast<size_t>(t * lr.hidden));
         const TensorRef st = host(shared_out.data(), DType::kBFloat16, {t, lr.hidden});
@@ -317,8 +323,8 @@ void run_layer(const LayerRun& lr) {
     const mr::ExpertView sv = shared.view(0);
     mr::Comparison cmp;
     for (int r = 0; r < lr.ranks; ++r) {
-        const roundgen::Inputs& x = in[static_cast<size_t>(r)];
-        for (int64_t t = 0; t < x.t; ++t) {
+        const eptest::RankData& x = in[static_cast<size_t>(r)];
+        for (int64_t t = 0; t < x.in.num_tokens; ++t) {
             const mr::Tracked want = mr::moe_token(
                 x.x.data() + t * lr.hidden, lr.hidden, x.idx64.data() + t * lr.topk, x.w.data() + t * lr.topk, lr.topk,
                 [&](int64_t e) { return all.view(e); }, lr.shared ? &sv : nullptr, model);

@@ -1,20 +1,11 @@
 // CPU reference backend: ranks are threads of one process, or processes of one host, sharing a
 // host arena.
 //
-// Protocol (the same slot/count protocol the GPU backend uses):
-//   dispatch, epoch n, sender s:
-//     1. validate routes, write each token once per destination rank d into d's slot region
-//        disp_slots[d][s][j] (j = the token's position among s's tokens for d, t ascending);
-//     2. publish disp_flag[d][s][n % 2] = {count, status}, then its epoch (release);
-//   receiver d waits (bounded) for every sender's flag of epoch n, then expands the messages in
-//   (s, j) order into the requested layout; a bad status anywhere fails every rank alike.
-//   combine, epoch n, expert holder d: for each received token (s, t) forms the bf16 partial over
-//     its routes to d and writes it to comb_slots[s][d][t], then publishes comb_flag[s][d] = n;
-//   origin s waits for every comb_flag[s][*] = n and reduces in first-k destination order.
-// Slot reuse: before writing epoch n+1 into d's slots a sender waits (bounded) for recv_done[d] >= n,
-// which d publishes once it has read its epoch n messages. A completed combine n already implies
-// it; the flag covers a combine that failed its argument checks on every rank (the handle is
-// released and the next dispatch may start while a slower peer is still reading).
+// The protocol (flags, epochs, route status, slot reuse, error texts) is src/core/protocol.hpp; this
+// file is how its bytes move on a host: memcpy into an arena every rank maps, flags as atomics.
+//   dispatch: disp_slots[d][s][j] messages, disp_flag[d][s][n % 2] = {count, status, epoch last};
+//   combine:  comb_slots[s][d][t] partials, comb_flag[s][d] = n;
+//   slot reuse: recv_done[d] = the last epoch whose messages d has read (protocol.hpp, "Slot reuse").
 //
 // Nothing a peer wrote is trusted as a bound: the receiver checks every count, expert id and source
 // token against the config before it uses one to address memory (`check_messages`). A message that
@@ -45,6 +36,7 @@
 #include "core/layout.hpp"
 #include "core/numerics.hpp"
 #include "core/outputs.hpp"
+#include "core/protocol.hpp"
 #include "core/quantize.hpp"
 #include "core/routing.hpp"
 #include "core/testing.hpp"
@@ -55,8 +47,8 @@ namespace {
 struct DispatchFlag {
     std::atomic<uint64_t> epoch{0};
     int64_t count = 0;
-    BadRoute bad;
-    int32_t sticky = 0;  // an int, not a bool: peers' bytes are read as is and any value must be valid
+    RouteStatus status{};  // the sender's published route status (protocol.hpp); plain ints, so any bytes a
+                           // peer left there are a valid value
 };
 
 // The arena lives in one shared mapping: anonymous memory when every rank is a thread of this
@@ -220,11 +212,6 @@ struct OutputPtrs {
     void* m_indices = nullptr;
 };
 
-MessageLayout message_layout(const BufferConfig& c) {
-    const bool fp8 = c.payload == Payload::kFP8;
-    return MessageLayout::make(c.hidden, c.num_topk, fp8 ? 1 : 2, fp8 ? scale_columns(c.scale_format, c.hidden) : 0);
-}
-
 // The arena's size, or CapacityExceeded when it cannot exist on this host. Computed wide: with
 // thousands of ranks R * R * C * message bytes is past size_t long before mmap could refuse it.
 size_t checked_arena_bytes(const BufferConfig& c, int num_ranks, const MessageLayout& m) {
@@ -354,9 +341,7 @@ class CpuBackend final : public BackendBuffer {
         if (fault_.any()) {
             const BadRoute f = fault_;
             fault_ = BadRoute{};
-            raise(ErrorCode::kInvalidArgument, "sticky fault from an earlier graph-mode dispatch: " +
-                                                   describe_bad_route(f, rank_, cfg_.num_experts) +
-                                                   " (those routes were dropped)");
+            raise(ErrorCode::kInvalidArgument, sticky_fault_message(f, rank_, cfg_.num_experts));
         }
     }
 
@@ -379,21 +364,15 @@ class CpuBackend final : public BackendBuffer {
         const RoutePlan& plan = data->plan;
         // A host-synchronising call fails on every rank alike, through the count exchange, for
         // this call's bad routes or for a sticky fault an earlier graph-mode call left here.
-        BadRoute rejected;
-        bool rejected_sticky = false;
-        if (a.host_sync && fault_.any()) {
-            rejected = fault_;
-            rejected_sticky = true;
-            fault_ = BadRoute{};
-        } else if (a.host_sync) {
-            rejected = plan.first_bad;
-        } else if (plan.first_bad.any() && !fault_.any()) {
-            fault_ = plan.first_bad;
-        }
+        const RouteDecision decision = decide_route_status(a.host_sync, fault_, plan.first_bad);
+        if (decision.clear_sticky) fault_ = BadRoute{};
+        if (decision.record_sticky) fault_ = plan.first_bad;
+        const RouteStatus& rejected = decision.publish;
         const bool reject = rejected.any();
 
         // 1. send, once every receiver has read our previous messages
-        wait_all("dispatch", epoch - 1, [&](int d) { return arena_->recv_done[d].load(std::memory_order_acquire); });
+        wait_all(kPhaseDispatch, epoch - 1,
+                 [&](int d) { return arena_->recv_done[d].load(std::memory_order_acquire); });
         std::vector<int64_t> sent(static_cast<size_t>(num_ranks_), 0);
         if (!reject) send_tokens(req, plan, sent);
         if (forger_)
@@ -407,22 +386,17 @@ class CpuBackend final : public BackendBuffer {
         for (int d = 0; d < num_ranks_; ++d) {
             DispatchFlag& f = arena_->dflag(d, rank_, epoch);
             f.count = sent[static_cast<size_t>(d)];
-            f.bad = rejected;
-            f.sticky = rejected_sticky;
+            f.status = rejected;
             f.epoch.store(epoch, std::memory_order_release);
         }
         // 2. wait for every sender
-        wait_all("dispatch", epoch,
+        wait_all(kPhaseDispatch, epoch,
                  [&](int s) { return arena_->dflag(rank_, s, epoch).epoch.load(std::memory_order_acquire); });
         for (int s = 0; s < num_ranks_; ++s) {
             const DispatchFlag& f = arena_->dflag(rank_, s, epoch);
-            if (f.bad.any()) {
+            if (f.status.any()) {
                 arena_->recv_done[rank_].store(epoch, std::memory_order_release);
-                raise(ErrorCode::kInvalidArgument,
-                      cat("dispatch: ",
-                          f.sticky ? "sticky fault from an earlier graph-mode dispatch (those routes were dropped): "
-                                   : "",
-                          describe_bad_route(f.bad, s, cfg_.num_experts), "; no rank published outputs for this call"));
+                raise(ErrorCode::kInvalidArgument, rejected_dispatch_message(f.status, s, cfg_.num_experts));
             }
         }
         // 3. check what the peers wrote, then receive into the layout
@@ -453,7 +427,7 @@ class CpuBackend final : public BackendBuffer {
             }
         }
         for (int s = 0; s < num_ranks_; ++s) arena_->cflag(s, rank_).store(epoch, std::memory_order_release);
-        wait_all("combine", epoch, [&](int d) { return arena_->cflag(rank_, d).load(std::memory_order_acquire); });
+        wait_all(kPhaseCombine, epoch, [&](int d) { return arena_->cflag(rank_, d).load(std::memory_order_acquire); });
         // 2. reduce at the origin in first-k destination order
         const RoutePlan& plan = data.plan;
         const int64_t t_count = plan.num_tokens;
@@ -483,7 +457,7 @@ class CpuBackend final : public BackendBuffer {
 
  private:
     template <class EpochOf>
-    void wait_all(const char* phase, uint64_t epoch, EpochOf epoch_of) {
+    void wait_all(int32_t phase, uint64_t epoch, EpochOf epoch_of) {
         const auto deadline = std::chrono::steady_clock::now() + cfg_.timeout;
         for (int spins = 0;; ++spins) {
             bool all = true;
@@ -495,20 +469,8 @@ class CpuBackend final : public BackendBuffer {
             else
                 std::this_thread::sleep_for(std::chrono::microseconds(50));
         }
-        std::string missing;
-        uint64_t observed = epoch;
-        for (int p = 0; p < num_ranks_; ++p) {
-            const uint64_t e = epoch_of(p);
-            if (e < epoch) {
-                missing += (missing.empty() ? "" : ", ") + std::to_string(p);
-                observed = std::min(observed, e);
-            }
-        }
-        raise(ErrorCode::kTimeout,
-              cat(phase, ": rank ", rank_, " waited ", cfg_.timeout.count(), " ms for rank(s) ", missing,
-                  " (expected call #", epoch, ", last seen #", observed, "); a peer did not call ", phase,
-                  " or is stuck. This buffer is unusable now: "
-                  "rebuild it"));
+        const MissingPeers missing = scan_missing(epoch_of, num_ranks_, epoch);
+        raise(ErrorCode::kTimeout, timeout_message(phase, rank_, cfg_.timeout.count(), missing, epoch));
     }
 
     void send_tokens(const DispatchRequest& req, const RoutePlan& plan, std::vector<int64_t>& sent) {
@@ -770,7 +732,7 @@ class CpuBackend final : public BackendBuffer {
     int rank_, num_ranks_, e_local_;
     std::shared_ptr<Arena> arena_;
     uint64_t epoch_ = 0;
-    BadRoute fault_;          // sticky: first invalid route of a graph-mode call, until reported
+    BadRoute fault_{};        // sticky: first invalid route of a graph-mode call, until reported
     std::string peer_fault_;  // sticky: first malformed peer data of a graph-mode call, until reported
     std::vector<int64_t> load_;
     OutputStore outputs_;
@@ -781,11 +743,9 @@ class CpuBackend final : public BackendBuffer {
 }  // namespace
 
 size_t cpu_reservation_bytes(const BufferConfig& c, int num_ranks) {
-    const size_t slots = static_cast<size_t>(num_ranks) * static_cast<size_t>(c.max_tokens_per_rank);
-    const size_t msg = static_cast<size_t>(message_layout(c).bytes);
     // this rank's share of the arena: its receive slots and its combine slots, plus its combine output
-    return slots * msg + slots * static_cast<size_t>(c.hidden) * 2 +
-           static_cast<size_t>(c.max_tokens_per_rank) * c.hidden * 2;
+    const Reservation r = reservation(c, num_ranks);
+    return static_cast<size_t>(r.dispatch_slots + r.combine_slots + r.combine_out);
 }
 
 std::unique_ptr<BackendBuffer> make_cpu_backend(const BackendContext& ctx) { return std::make_unique<CpuBackend>(ctx); }

@@ -1,7 +1,15 @@
 // CUDA intranode backend, direct topology: every rank writes straight into every peer's receive
-// region (same-process pointers, peer access between GPUs, or CUDA IPC between processes).
-// The protocol is the CPU backend's (src/backends/cpu/cpu_backend.cpp), so results are the same
-// bytes; src/kernels/intranode/*.cuh hold the kernels and their index contracts.
+// window. This file is the launch sequence; the pieces it stands on:
+//   src/core/protocol.hpp               what is sent and when, the route status, the error texts
+//   src/transport/                      symmetric memory (pool or CUDA IPC, peer access, the device
+//                                       peer table) and the device team the kernels address peers by
+//   src/kernels/common/buffer_layout.hpp  every byte of the window, the workspace and the host record
+//   src/kernels/intranode/*.cuh          the kernels and their launch contracts
+//   backends/cuda/kernel_launch.hpp      runtime modes -> kernel instantiations
+//   backends/cuda/launch_config.hpp      the SM count and how calls meet their peers
+//   backends/cuda/device_outputs.hpp     caller-provided and buffer-owned outputs
+//   backends/cuda/peer_watch.hpp         host waits, timeouts and their diagnosis
+//   backends/cuda/host_records.hpp       the host-mapped record
 //
 // One call, on the caller's stream (or the buffer's own non-blocking stream, synchronously):
 //   dispatch: plan -> send -> exchange (publish + bounded wait) -> [host_sync: D2H read of M and
@@ -10,9 +18,7 @@
 // The epoch lives on the device, so a captured graph replays with fresh epochs.
 // stream == nullptr: the call runs on the buffer's own non-blocking stream and synchronises it
 // before returning. Buffer-owned outputs are allocated (stream-ordered) at the first call of each
-// layout shape: warm up before capturing a graph. Ranks in other processes map each other's region
-// through CUDA IPC handles exchanged by the Group (tests/mpi/test_mpi_cuda.cpp, the Python
-// one-process-per-GPU test).
+// layout shape: warm up before capturing a graph.
 //
 // Several ranks on one GPU (threads of one process, the development setup): a kernel that waits for
 // a peer on the device relies on the peer's kernels running at the same time, which CUDA does not
@@ -20,353 +26,150 @@
 // one at a time). Measured on an H200: with 4-8 ranks on one GPU about one matrix run in three timed
 // out at the first call of some buffer, the late rank's kernels starting only after its peers' waits
 // gave up. So when any GPU holds two ranks of one process, every rank of the group waits on the host
-// instead (kernels::SyncMode): publish, synchronise, poll the flags (bounded), then go on. Capturing
-// a graph keeps the device waits (the host cannot wait inside a graph): such replays are for tests,
-// with CUDA_DEVICE_MAX_CONNECTIONS=32. ELASTICEP_SHARED_GPU_DEVICE_WAITS=1 keeps the device waits
-// (benchmarks of the kernels on one GPU). One rank per GPU always waits on the device.
+// instead (LaunchConfig::host_waits, PeerWatch). Capturing a graph keeps the device waits (the host
+// cannot wait inside a graph): such replays are for tests, with CUDA_DEVICE_MAX_CONNECTIONS=32.
 // No rank may make a call that waits for the whole device (cudaFree, cudaFreeHost,
 // cudaDeviceEnablePeerAccess; tests/gpu/probe_blocking.cu measures which calls do) while a peer's
-// kernel may wait for it. So this backend frees with cudaFreeAsync, takes its host-mapped records
-// from a process-wide pool that is never freed, allocates the receive region of same-process ranks
-// from a stream-ordered pool, and makes every other such call before its last collective.
+// kernel may wait for it. So this backend frees with cudaFreeAsync, takes its host-mapped record
+// from a process-wide pool that is never freed, allocates from a stream-ordered pool, and makes
+// every other such call before its last collective.
 #include <cuda_runtime.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <chrono>
-#include <cstdio>
-#include <cstring>
-#include <map>
-#include <mutex>
-#include <thread>
+#include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "backends/cuda/device_outputs.hpp"
+#include "backends/cuda/host_records.hpp"
+#include "backends/cuda/kernel_launch.hpp"
+#include "backends/cuda/launch_config.hpp"
+#include "backends/cuda/peer_watch.hpp"
 #include "core/backend.hpp"
 #include "core/check.hpp"
-#include "core/layout.hpp"
-#include "core/outputs.hpp"
-#include "core/routing.hpp"
+#include "core/protocol.hpp"
 #include "kernels/common/cuda_check.hpp"
-#include "kernels/intranode/combine.cuh"
-#include "kernels/intranode/dispatch.cuh"
+#include "transport/device_pool.hpp"
+#include "transport/symmetric_memory.hpp"
 
 namespace elasticep::detail {
-
-bool cuda_backend_ready() { return true; }
-
 namespace {
 
 using kernels::HostRecord;
 using kernels::RegionLayout;
-using kernels::RouteStatus;
 using kernels::Workspace;
 
-
-MessageLayout message_layout(const BufferConfig& c) {
-    const bool fp8 = c.payload == Payload::kFP8;
-    return MessageLayout::make(c.hidden, c.num_topk, fp8 ? 1 : 2, fp8 ? scale_columns(c.scale_format, c.hidden) : 0);
+kernels::Shape make_shape(const BufferConfig& c, int num_ranks) {
+    kernels::Shape s{};
+    s.num_ranks = num_ranks;
+    s.num_experts = c.num_experts;
+    s.num_local_experts = c.num_experts / num_ranks;
+    s.num_topk = c.num_topk;
+    s.hidden = c.hidden;
+    s.capacity = c.max_tokens_per_rank;
+    s.msg = message_layout(c);
+    return s;
 }
 
-RegionLayout region_layout(const BufferConfig& c, int r) {
-    return RegionLayout::make(r, c.max_tokens_per_rank, c.num_topk, c.num_experts / r, c.hidden, message_layout(c).bytes);
+kernels::SendPayload send_payload(const BufferConfig& c, bool prequantized) {
+    if (c.payload == Payload::kBF16) return kernels::SendPayload::kBF16;
+    if (prequantized) return kernels::SendPayload::kFP8Copy;
+    switch (c.scale_format) {
+        case ScaleFormat::kF32G128:
+            return kernels::SendPayload::kFP8F32G128;
+        case ScaleFormat::kUE8M0G128:
+            return kernels::SendPayload::kFP8UE8M0G128;
+        case ScaleFormat::kUE8M0G32:
+            return kernels::SendPayload::kFP8UE8M0G32;
+    }
+    raise(ErrorCode::kInternal, "internal: unknown scale format");
 }
 
-// Workspace pieces carved from one allocation.
-struct WorkspaceLayout {
-    size_t pos_in_expert, slot_of, clean_idx, expert_count, dest_count, status, bad_key, epoch, state, recv_count, base, counts,
-        start, recv_rows, load, peers, bytes;
-    static WorkspaceLayout make(const BufferConfig& c, int r) {
-        WorkspaceLayout w{};
-        size_t at = 0;
-        auto take = [&at](size_t n) {
-            const size_t o = at;
-            at = (at + n + 255) / 256 * 256;
-            return o;
-        };
-        const size_t cap = static_cast<size_t>(c.max_tokens_per_rank), k = static_cast<size_t>(c.num_topk);
-        const size_t el = static_cast<size_t>(c.num_experts / r), rr = static_cast<size_t>(r);
-        w.pos_in_expert = take(cap * k * 4);
-        w.slot_of = take(cap * rr * 4);
-        w.clean_idx = take(cap * k * 4);
-        w.expert_count = take(static_cast<size_t>(c.num_experts) * 4);
-        w.dest_count = take(rr * 4);
-        w.status = take(sizeof(RouteStatus));
-        w.bad_key = take(8);
-        w.epoch = take(8);
-        w.state = take(16);
-        w.recv_count = take(rr * 4);
-        w.base = take(rr * el * 4);
-        w.counts = take(el * 4);
-        w.start = take((el + 1) * 4);
-        w.recv_rows = take(rr * cap * k * 4);
-        w.load = take(el * 8);
-        w.peers = take(rr * 8);
-        w.bytes = at;
-        return w;
-    }
-};
-
-// Process-wide stream-ordered pool of one device: receive regions of same-process groups, workspaces
-// and buffer-owned outputs. Every device that can reach this one as a peer may access it (pool memory
-// ignores cudaDeviceEnablePeerAccess). Created once per device, never destroyed.
-cudaMemPool_t device_pool(int dev) {
-    static std::mutex mu;
-    static std::map<int, cudaMemPool_t> pools;
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = pools.find(dev);
-    if (it != pools.end()) return it->second;
-    cudaMemPoolProps props{};
-    props.allocType = cudaMemAllocationTypePinned;
-    props.location.type = cudaMemLocationTypeDevice;
-    props.location.id = dev;
-    cudaMemPool_t pool = nullptr;
-    ELASTICEP_CUDA_CALL(cudaMemPoolCreate(&pool, &props));
-    int n = 0;
-    ELASTICEP_CUDA_CALL(cudaGetDeviceCount(&n));
-    for (int d = 0; d < n; ++d) {
-        int can = 0;
-        if (d == dev || cudaDeviceCanAccessPeer(&can, d, dev) != cudaSuccess || !can) continue;
-        cudaMemAccessDesc desc{};
-        desc.location.type = cudaMemLocationTypeDevice;
-        desc.location.id = d;
-        desc.flags = cudaMemAccessFlagsProtReadWrite;
-        ELASTICEP_CUDA_CALL(cudaMemPoolSetAccess(pool, &desc, 1));
-    }
-    pools.emplace(dev, pool);
-    return pool;
+// The buffer's timeout in ns, saturating (a wait with an enormous bound simply never expires).
+uint64_t timeout_ns(std::chrono::milliseconds t) {
+    const uint64_t ms = static_cast<uint64_t>(std::max<int64_t>(t.count(), 0));
+    constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max() / 1000000ull;
+    return ms > kMax ? std::numeric_limits<uint64_t>::max() : ms * 1000000ull;
 }
-
-void* pool_alloc(size_t n, int dev, cudaStream_t stream) {
-    void* p = nullptr;
-    ELASTICEP_CUDA_CALL(cudaMallocFromPoolAsync(&p, std::max<size_t>(n, 256), device_pool(dev), stream));
-    return p;
-}
-
-// Host-mapped records, recycled and never freed: cudaFreeHost waits for the whole device.
-class HostRecordPool {
-   public:
-    static HostRecord* acquire() {
-        std::lock_guard<std::mutex> lock(mu());
-        auto& free = list();
-        if (free.empty()) {
-            constexpr int kChunk = 64;
-            HostRecord* chunk = nullptr;
-            ELASTICEP_CUDA_CALL(cudaHostAlloc(reinterpret_cast<void**>(&chunk), kChunk * sizeof(HostRecord),
-                                              cudaHostAllocMapped | cudaHostAllocPortable));
-            for (int i = kChunk - 1; i >= 0; --i) free.push_back(chunk + i);
-        }
-        HostRecord* r = free.back();
-        free.pop_back();
-        std::memset(static_cast<void*>(r), 0, sizeof(HostRecord));
-        return r;
-    }
-    static void release(HostRecord* r) {
-        std::lock_guard<std::mutex> lock(mu());
-        list().push_back(r);
-    }
-
-   private:
-    static std::mutex& mu() {
-        static std::mutex m;
-        return m;
-    }
-    static std::vector<HostRecord*>& list() {
-        static std::vector<HostRecord*> l;
-        return l;
-    }
-};
-
-// Warns on stderr when a host-side CUDA call of the protocol took long: with several ranks on one
-// GPU that is the sign of a call that waited for a peer's kernel (see the header comment).
-class SlowCallWatch {
-   public:
-    SlowCallWatch(const char* what, int rank) : what_(what), rank_(rank), t0_(std::chrono::steady_clock::now()) {}
-    ~SlowCallWatch() {
-        const auto ms =
-            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0_).count();
-        if (ms >= 1000)
-            std::fprintf(stderr, "[elasticep] rank %d: %s took %lld ms (did it wait for a peer's kernel?)\n", rank_,
-                         what_, static_cast<long long>(ms));
-    }
-
-   private:
-    const char* what_;
-    int rank_;
-    std::chrono::steady_clock::time_point t0_;
-};
-
-struct DevStorage {
-    void* ptr = nullptr;
-    size_t bytes = 0;
-    std::vector<void*>* graveyard = nullptr;
-    // Grows only, stream-ordered from the device pool; the old block is freed with the buffer.
-    void reserve(size_t n, int dev, cudaStream_t stream) {
-        n = std::max<size_t>(n, 256);
-        if (n <= bytes) return;
-        void* p = pool_alloc(n, dev, stream);
-        if (ptr) graveyard->push_back(ptr);
-        ptr = p;
-        bytes = n;
-    }
-};
-
-struct Hello {
-    int64_t pid;
-    int32_t device;
-    int32_t pad;
-    char uuid[16];
-    uint64_t region;
-    cudaIpcMemHandle_t ipc;
-};
-
-constexpr int kMaxRanks = 64;
 
 class CudaBackend final : public BackendBuffer {
-   public:
+ public:
     explicit CudaBackend(const BackendContext& ctx)
-        : cfg_(ctx.config), rank_(ctx.rank), num_ranks_(ctx.num_ranks), e_local_(cfg_.num_experts / ctx.num_ranks) {
-        ELASTICEP_CHECK(e_local_ <= 1024, ErrorCode::kUnsupported, "the CUDA backend supports at most 1024 local "
-                        "experts per rank; this config has ", e_local_);
-        ELASTICEP_CHECK(num_ranks_ <= kMaxRanks, ErrorCode::kUnsupported, "the CUDA direct topology supports at most ",
-                        kMaxRanks, " ranks; this group has ", num_ranks_, " (use topology=hybrid)");
-        if (cfg_.device >= 0) {
-            dev_ = cfg_.device;
-        } else {
-            ELASTICEP_CUDA_CALL(cudaGetDevice(&dev_));
+        : cfg_(ctx.config),
+          rank_(ctx.rank),
+          num_ranks_(ctx.num_ranks),
+          e_local_(cfg_.num_experts / ctx.num_ranks),
+          shape_(make_shape(cfg_, ctx.num_ranks)),
+          region_(RegionLayout::make(shape_)) {
+        // Everything before the first collective may fail on this rank alone: the failure travels with
+        // the first exchange (Placement::gather), so every rank raises at the same point.
+        std::exception_ptr failure;
+        int device_sms = 1;
+        try {
+            ELASTICEP_CHECK(e_local_ <= kMaxLocalExperts, ErrorCode::kUnsupported, "the CUDA backend supports at most ",
+                            "kMaxLocalExperts=", kMaxLocalExperts, " local experts per rank; this config has ",
+                            e_local_);
+            if (cfg_.device >= 0)
+                dev_ = cfg_.device;
+            else
+                ELASTICEP_CUDA_CALL(cudaGetDevice(&dev_));
+            ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+            cudaDeviceProp prop{};
+            ELASTICEP_CUDA_CALL(cudaGetDeviceProperties(&prop, dev_));
+            device_sms = prop.multiProcessorCount;
+            ELASTICEP_CUDA_CALL(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+            ELASTICEP_CUDA_CALL(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
+            // Everything that may wait for the device happens before the first collective: once a peer
+            // passes the last one (the front end's), it may launch kernels that wait for this rank.
+            cuda::load_dispatch_kernels();
+            cuda::load_combine_kernels();
+            const int64_t ws_bytes = Workspace::carve(shape_, nullptr).bytes;
+            ws_ptr_ = transport::pool_alloc(static_cast<size_t>(ws_bytes), dev_, own_stream_);
+            ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, static_cast<size_t>(ws_bytes), own_stream_));
+            ws_ = Workspace::carve(shape_, ws_ptr_);
+            ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.first_bad_route, 0xff, sizeof(*ws_.first_bad_route), own_stream_));
+            outputs_ = std::make_unique<cuda::DeviceOutputs>(cfg_, num_ranks_, rank_, dev_, own_stream_);
+            record_ = std::make_unique<cuda::HostRecordLease>();
+        } catch (...) {
+            failure = std::current_exception();
         }
-        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
-        cudaDeviceProp prop{};
-        ELASTICEP_CUDA_CALL(cudaGetDeviceProperties(&prop, dev_));
-        device_sms_ = prop.multiProcessorCount;
-        msg_ = message_layout(cfg_);
-        region_ = region_layout(cfg_, num_ranks_);
-        wl_ = WorkspaceLayout::make(cfg_, num_ranks_);
 
-        ELASTICEP_CUDA_CALL(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
-        ELASTICEP_CUDA_CALL(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
-        // Everything that may wait for the device happens before the first collective: once a peer
-        // passes the last one (the front end's), it may launch kernels that wait for this rank.
-        // load every kernel now: lazy loading mid-protocol could stall a context while peers spin
-        cudaFuncAttributes attr{};
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::plan_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::send_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::exchange_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::expand_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::partial_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::publish_kernel));
-        ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::reduce_kernel));
-        ws_ptr_ = pool_alloc(wl_.bytes, dev_, own_stream_);
-        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, wl_.bytes, own_stream_));
-        out_ptr_ = pool_alloc(static_cast<size_t>(cfg_.max_tokens_per_rank) * static_cast<size_t>(cfg_.hidden) * 2,
-                              dev_, own_stream_);
-        rec_ = HostRecordPool::acquire();
-        ELASTICEP_CUDA_CALL(cudaHostGetDevicePointer(reinterpret_cast<void**>(&rec_dev_), rec_, 0));
-
-        // who is where: ranks of this process take the receive region from the stream-ordered pool;
-        // a group that spans processes needs memory that CUDA IPC can export (cudaMalloc)
-        struct Where {
-            int64_t pid;
-            int32_t device;
-            int32_t pad;
-            char uuid[16];
-        };
-        Where me{};
-        me.pid = static_cast<int64_t>(::getpid());
-        me.device = dev_;
-        std::memcpy(me.uuid, &prop.uuid, 16);
-        const auto where = ctx.group->all_gather_value(me);
-        bool one_process = true;
-        ranks_on_gpu_ = 0;
-        for (const Where& w : where) {
-            const bool same_gpu = std::memcmp(w.uuid, me.uuid, 16) == 0;
-            ranks_on_gpu_ += same_gpu;
-            remote_gpu_ = remote_gpu_ || !same_gpu;
-            one_process = one_process && w.pid == me.pid;
+        try {
+            // who is where, then the symmetric receive window of every rank (collective)
+            const transport::Placement where = transport::Placement::gather(*ctx.group, rank_, dev_, failure);
+            launch_ = cuda::LaunchConfig::choose(cfg_, where, device_sms);
+            window_ = std::make_unique<transport::SymmetricMemory>(*ctx.group, where,
+                                                                   static_cast<size_t>(region_.bytes), own_stream_);
+            watch_ = std::make_unique<cuda::PeerWatch>(rank_, num_ranks_, cfg_.timeout, region_, *window_,
+                                                       record_->host(), ws_, own_stream_);
+        } catch (...) {
+            release();  // no destructor runs for a constructor that throws
+            throw;
         }
-        region_in_pool_ = one_process;
-        // the same decision on every rank: does any GPU hold two ranks of one process?
-        for (size_t i = 0; i < where.size(); ++i)
-            for (size_t j = i + 1; j < where.size(); ++j)
-                host_waits_ = host_waits_ || (where[i].pid == where[j].pid && std::memcmp(where[i].uuid, where[j].uuid, 16) == 0);
-        if (const char* v = std::getenv("ELASTICEP_SHARED_GPU_DEVICE_WAITS"); v && std::string(v) == "1") host_waits_ = false;
-        if (region_in_pool_) {
-            region_ptr_ = pool_alloc(static_cast<size_t>(region_.bytes), dev_, own_stream_);
-        } else {
-            ELASTICEP_CUDA_CALL(cudaMalloc(&region_ptr_, static_cast<size_t>(region_.bytes)));
-        }
-        ELASTICEP_CUDA_CALL(cudaMemsetAsync(region_ptr_, 0, static_cast<size_t>(region_.bytes), own_stream_));
-        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
-
-        // exchange region addresses (and IPC handles across processes)
-        Hello hello{};
-        hello.pid = me.pid;
-        hello.device = dev_;
-        std::memcpy(hello.uuid, me.uuid, 16);
-        hello.region = reinterpret_cast<uint64_t>(region_ptr_);
-        if (!region_in_pool_) ELASTICEP_CUDA_CALL(cudaIpcGetMemHandle(&hello.ipc, region_ptr_));
-        const auto all = ctx.group->all_gather_value(hello);
-        std::vector<uint8_t*> peers(static_cast<size_t>(num_ranks_));
-        for (int p = 0; p < num_ranks_; ++p) {
-            const Hello& h = all[static_cast<size_t>(p)];
-            if (h.pid == me.pid) {
-                peers[static_cast<size_t>(p)] = reinterpret_cast<uint8_t*>(h.region);
-                if (h.device != dev_) {
-                    int can = 0;
-                    ELASTICEP_CUDA_CALL(cudaDeviceCanAccessPeer(&can, dev_, h.device));
-                    ELASTICEP_CHECK(can, ErrorCode::kUnsupported, "rank ", rank_, " on GPU ", dev_, " cannot access GPU ",
-                                    h.device, " of rank ", p, " (no peer access); the direct topology needs NVLink "
-                                    "or PCIe peer access between all ranks' GPUs");
-                    if (!region_in_pool_) {  // pool memory is reachable through the pool's access list
-                        const cudaError_t e = cudaDeviceEnablePeerAccess(h.device, 0);
-                        if (e == cudaErrorPeerAccessAlreadyEnabled) cudaGetLastError();
-                        else ELASTICEP_CUDA_CALL(e);
-                    }
-                }
-            } else {
-                void* mapped = nullptr;
-                ELASTICEP_CUDA_CALL(cudaIpcOpenMemHandle(&mapped, h.ipc, cudaIpcMemLazyEnablePeerAccess));
-                opened_.push_back(mapped);
-                peers[static_cast<size_t>(p)] = static_cast<uint8_t*>(mapped);
-            }
-        }
-        ws_ = carve();
-        peers_host_ = peers;
-        ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.bad_key, 0xff, 8, own_stream_));
-        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(ws_.peers, peers.data(), peers.size() * sizeof(uint8_t*),
-                                            cudaMemcpyHostToDevice, own_stream_));
-        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
-
-        // SM count: explicit, or a bandwidth model of the link
-        if (cfg_.num_sms > 0) num_sms_ = std::min(cfg_.num_sms, device_sms_);
-        else if (ranks_on_gpu_ > 1) num_sms_ = std::max(1, device_sms_ / ranks_on_gpu_);  // HBM shared by R ranks
-        else if (remote_gpu_) num_sms_ = std::min(24, device_sms_);  // NVLink: ~24 SMs saturate the link
-        else num_sms_ = device_sms_;
-        for (DevStorage* s : {&x_st_, &sc_st_, &w_st_, &src_st_, &mi_st_}) s->graveyard = &graveyard_;
     }
 
-    ~CudaBackend() override {
-        // Nothing here waits for the whole device (see the header comment): peers of this process
-        // may already run kernels of their next buffer.
+    ~CudaBackend() override { release(); }
+
+    // Frees everything this rank holds (whatever the constructor got to). Nothing here waits for the
+    // whole device (see the header comment): peers of this process may already run kernels of their
+    // next buffer.
+    void release() noexcept {
         cudaSetDevice(dev_);
-        cudaStreamSynchronize(own_stream_);
+        if (own_stream_) cudaStreamSynchronize(own_stream_);
         if (has_event_) cudaEventSynchronize(last_event_);
-        // after a timeout a late peer may still write into this rank's region: keep it (leaked)
-        const bool timed_out = rec_ && rec_->timeout_phase != kernels::kPhaseNone;
-        for (void* p : opened_) cudaIpcCloseMemHandle(p);
-        for (void* p : graveyard_) cudaFreeAsync(p, own_stream_);
-        for (DevStorage* s : {&x_st_, &sc_st_, &w_st_, &src_st_, &mi_st_})
-            if (s->ptr) cudaFreeAsync(s->ptr, own_stream_);
-        if (out_ptr_) cudaFreeAsync(out_ptr_, own_stream_);
+        // after a timeout a late peer may still write into this rank's window: keep it (leaked)
+        if (window_ && watch_ && watch_->timed_out()) window_->keep_local_window();
+        watch_.reset();
+        window_.reset();
+        outputs_.reset();
         if (ws_ptr_) cudaFreeAsync(ws_ptr_, own_stream_);
-        if (region_ptr_ && !timed_out) {
-            if (region_in_pool_) cudaFreeAsync(region_ptr_, own_stream_);
-            else cudaFree(region_ptr_);  // IPC-exported; other processes' ranks do not wait for this one
-        }
-        if (rec_) HostRecordPool::release(rec_);
-        cudaEventDestroy(last_event_);
-        cudaStreamDestroy(own_stream_);
+        ws_ptr_ = nullptr;
+        record_.reset();
+        if (last_event_) cudaEventDestroy(last_event_);
+        if (own_stream_) cudaStreamDestroy(own_stream_);
+        last_event_ = nullptr;
+        own_stream_ = nullptr;
         cudaGetLastError();
     }
 
@@ -377,235 +180,151 @@ class CudaBackend final : public BackendBuffer {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
         sync_last();
         std::vector<int64_t> v(static_cast<size_t>(e_local_));
-        ELASTICEP_CUDA_CALL(cudaMemcpy(v.data(), ws_.load, v.size() * 8, cudaMemcpyDeviceToHost));
+        ELASTICEP_CUDA_CALL(cudaMemcpy(v.data(), ws_.expert_load, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost));
         return v;
     }
     void reset_expert_load() override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
         sync_last();
-        ELASTICEP_CUDA_CALL(cudaMemset(ws_.load, 0, static_cast<size_t>(e_local_) * 8));
+        ELASTICEP_CUDA_CALL(cudaMemset(ws_.expert_load, 0, static_cast<size_t>(e_local_) * sizeof(int64_t)));
     }
 
     void check() override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
         sync_last();
-        raise_timeout();
-        volatile RouteStatus* s = &rec_->sticky;
-        if (s->kind != 0) {
-            BadRoute b{s->kind, s->token, s->k, s->dup_of, s->value};
-            s->kind = 0;
-            raise(ErrorCode::kInvalidArgument, "sticky fault from an earlier graph-mode dispatch: " +
-                                                   describe_bad_route(b, rank_, cfg_.num_experts) +
-                                                   " (those routes were dropped)");
+        watch_->raise_faults();
+        volatile RouteStatus* s = &record_->host()->sticky;
+        if (s->kind != kRouteOk) {
+            const RouteStatus b{s->kind, s->token, s->k, s->dup_of, s->value, 0, 0};
+            s->kind = kRouteOk;
+            raise(ErrorCode::kInvalidArgument, sticky_fault_message(b, rank_, cfg_.num_experts));
         }
     }
 
     void dispatch(const DispatchRequest& req, HandleState& handle, DispatchResult& result) override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
-        raise_timeout();
+        watch_->raise_faults();
         const DispatchArgs& a = *req.args;
         cudaStream_t stream = a.stream ? static_cast<cudaStream_t>(a.stream) : own_stream_;
         const bool fp8 = cfg_.payload == Payload::kFP8;
         const int scols = fp8 ? scale_columns(cfg_.scale_format, cfg_.hidden) : 0;
         const bool contiguous = a.layout == Layout::kExpertContiguous;
-        const int64_t rc = int64_t{num_ranks_} * cfg_.max_tokens_per_rank;
         const int64_t t_count = req.num_tokens;
+        // the masked slab's rows are int32 in the kernels' route table
+        ELASTICEP_CHECK_ARG(contiguous || int64_t{e_local_} * shape_.slots() < (int64_t{1} << 31),
+                            "dispatch: the masked layout has E_local * R * C = ", int64_t{e_local_} * shape_.slots(),
+                            " rows, beyond int32 row indices; lower max_tokens_per_rank or use the contiguous layout");
 
-        kernels::DispatchParams p{};
+        cuda::DispatchParams p{};
         fill_common(p, t_count);
         p.x = a.x.data;
         const int xelem = static_cast<int>(dtype_size(a.x.dtype));
-        p.x_stride = t_count > 1 ? a.x.stride(0) : cfg_.hidden;
-        p.x_aligned = reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0 && (p.x_stride * xelem) % 16 == 0;
+        p.x_row_stride = t_count > 1 ? a.x.stride(0) : cfg_.hidden;
+        p.x_aligned = reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0 && (p.x_row_stride * xelem) % 16 == 0;
         p.x_scales = a.x_scales ? static_cast<const uint32_t*>(a.x_scales->data) : nullptr;
-        p.xs_stride = a.x_scales && t_count > 1 ? a.x_scales->stride(0) : scols;
-        p.idx = a.topk_idx.data;
-        p.idx64 = a.topk_idx.dtype == DType::kInt64;
-        p.idx_stride = t_count > 1 ? a.topk_idx.stride(0) : cfg_.num_topk;
-        p.weights = a.topk_weights ? static_cast<const float*>(a.topk_weights->data) : nullptr;
-        p.w_stride = a.topk_weights && t_count > 1 ? a.topk_weights->stride(0) : cfg_.num_topk;
-        p.fp8 = fp8;
-        p.quantize = req.quantize;
-        p.prequantized = req.prequantized;
-        p.f32_scales = cfg_.scale_format == ScaleFormat::kF32G128;
-        p.group = scale_group_size(cfg_.scale_format);
-        p.num_groups = fp8 ? cfg_.hidden / p.group : 0;
-        p.scale_cols = scols;
-        p.contiguous = contiguous;
+        p.x_scales_row_stride = a.x_scales && t_count > 1 ? a.x_scales->stride(0) : scols;
+        p.topk_idx = a.topk_idx.data;
+        p.topk_idx_row_stride = t_count > 1 ? a.topk_idx.stride(0) : cfg_.num_topk;
+        p.topk_weights = a.topk_weights ? static_cast<const float*>(a.topk_weights->data) : nullptr;
+        p.topk_weights_row_stride = a.topk_weights && t_count > 1 ? a.topk_weights->stride(0) : cfg_.num_topk;
+        p.scale_columns = scols;
         p.host_sync = a.host_sync;  // masked too: the CPU backend rejects bad routes synchronously then
         p.zero_padding = a.zero_padding;
-        p.alignment = contiguous ? a.expert_alignment : 1;
+        p.expert_alignment = contiguous ? a.expert_alignment : 0;  // 0: no segments (masked)
+        const cuda::DispatchModes modes{send_payload(cfg_, req.prequantized), a.topk_idx.dtype == DType::kInt64,
+                                        contiguous};
 
         const bool capturing = is_capturing(stream);
-        ELASTICEP_CHECK_ARG(!(capturing && a.host_sync), "dispatch: host_sync=true cannot be captured in a CUDA graph "
-                            "(it reads the row count on the host); pass host_sync=false (graph mode) while capturing");
+        ELASTICEP_CHECK_ARG(!(capturing && a.host_sync),
+                            "dispatch: host_sync=true cannot be captured in a CUDA graph (it reads the row count on "
+                            "the host); pass host_sync=false (graph mode) while capturing");
+        const cuda::DispatchTargets out = outputs_->dispatch_targets(a, req.rows_cap, capturing, stream);
+        p.recv_x = out.recv_x;
+        p.recv_weights = out.recv_weights;
+        p.recv_src = out.recv_src;
+        p.recv_scales = out.recv_scales;
+        p.m_indices = out.m_indices;
 
-        // outputs: caller-provided (fixed worst-case shape) or buffer-owned (sized for the worst case)
-        const auto cap_specs = dispatch_output_specs(cfg_, num_ranks_, a.layout, req.rows_cap, a.scales_mn_major);
-        auto ptr_of = [&](const std::optional<TensorRef>& given, const OutputSpec& cap, DevStorage& st) -> void* {
-            if (given) {
-                ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(given->data) % 16 == 0,
-                                    "caller-provided dispatch output at ", given->data,
-                                    " must be 16-byte aligned for the CUDA backend");
-                return given->data;
-            }
-            const size_t need = static_cast<size_t>(cap.storage_elems) * dtype_size(cap.dtype);
-            if (need > st.bytes) {
-                ELASTICEP_CHECK_ARG(!capturing, "dispatch: the first call with this layout (", layout_name(a.layout),
-                                    ", expert_alignment ", a.expert_alignment, ") allocates the buffer-owned "
-                                    "outputs and cannot be captured; run it once before capturing the graph");
-                SlowCallWatch watch("allocating buffer-owned dispatch outputs", rank_);
-                st.reserve(need, dev_, stream);
-            }
-            return st.ptr;
-        };
-        void* rx = ptr_of(a.outputs.recv_x, cap_specs.recv_x, x_st_);
-        void* rw = ptr_of(a.outputs.recv_weights, cap_specs.recv_weights, w_st_);
-        void* rs = ptr_of(a.outputs.recv_src, cap_specs.recv_src, src_st_);
-        void* rsc = fp8 ? ptr_of(a.outputs.recv_scales, *cap_specs.recv_scales, sc_st_) : nullptr;
-        void* mi = contiguous ? ptr_of(a.outputs.m_indices, *cap_specs.m_indices, mi_st_) : nullptr;
-        p.rx = static_cast<uint8_t*>(rx);
-        p.rw = static_cast<float*>(rw);
-        p.rs = static_cast<int32_t*>(rs);
-        p.rsc = static_cast<uint32_t*>(rsc);
-        p.mi = static_cast<int32_t*>(mi);
+        const int grid = 2 * launch_.num_sms;
+        cuda::launch_plan(p, modes, stream);
+        cuda::launch_send(p, modes, grid, stream);
+        meet_peers([&] { cuda::launch_exchange(p, modes, stream); }, p, stream, capturing, kPhaseDispatch);
 
-        const int grid = 2 * num_sms_;
-        kernels::plan_kernel<<<cfg_.num_experts + num_ranks_ + kernels::kStatusBlocks, kernels::kThreads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
-        kernels::send_kernel<<<grid, kernels::kThreads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
-        meet_peers(kernels::exchange_kernel, 256, p, stream, capturing, kernels::kPhaseDispatch);
-
-        int64_t rows_out = contiguous ? req.rows_cap : rc;
+        int64_t rows_out = contiguous ? req.rows_cap : shape_.slots();
         if (p.host_sync) {
             ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
-            raise_timeout();
-            const volatile HostRecord* r = rec_;
+            watch_->raise_faults();
+            const volatile HostRecord* r = record_->host();
             if (r->bad_sender >= 0) {
-                const BadRoute b{r->bad.kind, r->bad.token, r->bad.k, r->bad.dup_of, r->bad.value};
-                raise(ErrorCode::kInvalidArgument,
-                      cat("dispatch: ", r->bad.sticky ? "sticky fault from an earlier graph-mode dispatch (those routes "
-                                                        "were dropped): " : "",
-                          describe_bad_route(b, r->bad_sender, cfg_.num_experts),
-                          "; no rank published outputs for this call"));
+                const RouteStatus b{r->bad.kind, r->bad.token, r->bad.k, r->bad.dup_of, r->bad.value, r->bad.sticky, 0};
+                raise(ErrorCode::kInvalidArgument, rejected_dispatch_message(b, r->bad_sender, cfg_.num_experts));
             }
             if (contiguous) rows_out = r->num_rows;
         }
-        const auto specs = dispatch_output_specs(cfg_, num_ranks_, a.layout, rows_out, a.scales_mn_major);
+        outputs_->bind_dispatch(a, out, req.rows_cap, rows_out, result);
         const Device dev = device();
-        auto bind = [&](const std::optional<TensorRef>& given, const OutputSpec& cap, const OutputSpec& spec, void* ptr) {
-            TensorRef t = spec.bind(ptr, dev);
-            if (given) t.strides = cap.strides;
-            return t;
-        };
-        result.recv_x = bind(a.outputs.recv_x, cap_specs.recv_x, specs.recv_x, rx);
-        result.recv_weights = bind(a.outputs.recv_weights, cap_specs.recv_weights, specs.recv_weights, rw);
-        result.recv_src = bind(a.outputs.recv_src, cap_specs.recv_src, specs.recv_src, rs);
-        if (fp8) result.recv_scales = bind(a.outputs.recv_scales, *cap_specs.recv_scales, *specs.recv_scales, rsc);
-        if (contiguous) result.m_indices = bind(a.outputs.m_indices, *cap_specs.m_indices, *specs.m_indices, mi);
         result.counts = TensorRef::contiguous(ws_.counts, DType::kInt32, {e_local_}, dev);
         if (contiguous) {
-            result.offsets = TensorRef::contiguous(ws_.start, DType::kInt32, {e_local_ + 1}, dev);
+            result.offsets = TensorRef::contiguous(ws_.offsets, DType::kInt32, {e_local_ + 1}, dev);
             result.num_rows = p.host_sync ? rows_out : -1;
         } else {
             result.masked_m = result.counts;
         }
-        p.rows_out = rows_out;
+        p.num_rows_out = rows_out;
         if (fp8) {
             const auto& st = result.recv_scales->strides;
-            p.sst0 = st[0];
-            p.sst1 = st[1];
-            p.sst2 = st.size() > 2 ? st[2] : 0;
+            p.recv_scale_strides =
+                contiguous ? kernels::ScaleStrides{0, st[0], st[1]} : kernels::ScaleStrides{st[0], st[1], st[2]};
         }
-        kernels::expand_kernel<<<grid, kernels::kThreads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        cuda::launch_expand(p, modes, grid, stream);
         finish(stream, a.stream == nullptr, capturing);
-        handle.num_sms = num_sms_;
+        handle.num_sms = launch_.num_sms;
         handle.backend_data = nullptr;
     }
 
     TensorRef combine(HandleState& handle, const CombineArgs& args) override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
-        raise_timeout();
+        watch_->raise_faults();
         cudaStream_t stream = args.stream ? static_cast<cudaStream_t>(args.stream) : own_stream_;
         const int64_t t_count = handle.num_tokens;
-        kernels::CombineParams p{};
+        cuda::CombineParams p{};
         fill_common(p, t_count);
         p.y = static_cast<const uint16_t*>(args.y.data);
-        ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(args.y.data) % 16 == 0, "combine: y must be 16-byte aligned for "
-                            "the CUDA backend");
-        p.weighted = args.weighted;
+        ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(args.y.data) % 16 == 0,
+                            "combine: y must be 16-byte aligned for the CUDA backend");
         if (args.bias) {
             p.bias = static_cast<const uint16_t*>(args.bias->data);
-            p.bias_stride = t_count > 1 ? args.bias->stride(0) : cfg_.hidden;
-            ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(p.bias) % 16 == 0 && p.bias_stride % 8 == 0,
+            p.bias_row_stride = t_count > 1 ? args.bias->stride(0) : cfg_.hidden;
+            ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(p.bias) % 16 == 0 && p.bias_row_stride % 8 == 0,
                                 "combine: bias rows must be 16-byte aligned for the CUDA backend (row stride a "
                                 "multiple of 8)");
         }
-        TensorRef out = args.out ? *args.out
-                                 : TensorRef::contiguous(out_ptr_, DType::kBFloat16, {t_count, cfg_.hidden}, device());
+        const TensorRef out = outputs_->combine_out(args, t_count);
         p.out = static_cast<uint16_t*>(out.data);
-        p.out_stride = t_count > 1 ? out.stride(0) : cfg_.hidden;
-        ELASTICEP_CHECK_ARG(reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_stride % 8 == 0,
-                            "combine: out rows must be 16-byte aligned for the CUDA backend (row stride a multiple of 8)");
-        const int sms = handle.num_sms > 0 ? handle.num_sms : num_sms_;
-        kernels::partial_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        p.out_row_stride = t_count > 1 ? out.stride(0) : cfg_.hidden;
+        ELASTICEP_CHECK_ARG(
+            reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_row_stride % 8 == 0,
+            "combine: out rows must be 16-byte aligned for the CUDA backend (row stride a multiple of 8)");
+        const int grid = 2 * (handle.num_sms > 0 ? handle.num_sms : launch_.num_sms);
+        cuda::launch_partial(p, args.weighted, grid, stream);
         const bool capturing = is_capturing(stream);
-        meet_peers(kernels::publish_kernel, 32, p, stream, capturing, kernels::kPhaseCombine);
-        kernels::reduce_kernel<<<2 * sms, kernels::kThreads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        meet_peers([&] { cuda::launch_publish(p, stream); }, p, stream, capturing, kPhaseCombine);
+        cuda::launch_reduce(p, p.bias != nullptr, grid, stream);
         finish(stream, args.stream == nullptr, capturing);
-        if (args.stream == nullptr) raise_timeout();
+        if (args.stream == nullptr) watch_->raise_faults();
         return out;
     }
 
-   private:
-    void fill_common(kernels::CallParams& p, int64_t num_tokens) const {
-        p.sh = shape();
+ private:
+    void fill_common(kernels::CallParams<cuda::Team>& p, int64_t num_tokens) const {
+        p.team = cuda::Team{window_->nvlink_windows()};
+        p.shape = shape_;
+        p.region = region_;
         p.ws = ws_;
-        p.my_region = static_cast<uint8_t*>(region_ptr_);
-        p.rec = rec_dev_;
-        p.timeout_ns = static_cast<uint64_t>(cfg_.timeout.count()) * 1000000ull;
+        p.record = record_->device();
+        p.timeout_ns = timeout_ns(cfg_.timeout);
         p.sync_mode = kernels::kDevice;
         p.num_tokens = static_cast<int>(num_tokens);
-    }
-
-    kernels::Shape shape() const {
-        kernels::Shape s{};
-        s.rank = rank_;
-        s.num_ranks = num_ranks_;
-        s.num_experts = cfg_.num_experts;
-        s.e_local = e_local_;
-        s.num_topk = cfg_.num_topk;
-        s.hidden = cfg_.hidden;
-        s.capacity = cfg_.max_tokens_per_rank;
-        s.msg = msg_;
-        s.region = region_;
-        return s;
-    }
-
-    Workspace carve() {
-        auto* b = static_cast<uint8_t*>(ws_ptr_);
-        Workspace w{};
-        w.pos_in_expert = reinterpret_cast<int32_t*>(b + wl_.pos_in_expert);
-        w.slot_of = reinterpret_cast<int32_t*>(b + wl_.slot_of);
-        w.clean_idx = reinterpret_cast<int32_t*>(b + wl_.clean_idx);
-        w.expert_count = reinterpret_cast<int32_t*>(b + wl_.expert_count);
-        w.dest_count = reinterpret_cast<int32_t*>(b + wl_.dest_count);
-        w.status = reinterpret_cast<RouteStatus*>(b + wl_.status);
-        w.bad_key = reinterpret_cast<unsigned long long*>(b + wl_.bad_key);
-        w.epoch = reinterpret_cast<uint64_t*>(b + wl_.epoch);
-        w.state = reinterpret_cast<int32_t*>(b + wl_.state);
-        w.recv_count = reinterpret_cast<int32_t*>(b + wl_.recv_count);
-        w.base = reinterpret_cast<int32_t*>(b + wl_.base);
-        w.counts = reinterpret_cast<int32_t*>(b + wl_.counts);
-        w.start = reinterpret_cast<int32_t*>(b + wl_.start);
-        w.recv_rows = reinterpret_cast<int32_t*>(b + wl_.recv_rows);
-        w.load = reinterpret_cast<int64_t*>(b + wl_.load);
-        w.peers = reinterpret_cast<uint8_t**>(b + wl_.peers);
-        return w;
     }
 
     static bool is_capturing(cudaStream_t stream) {
@@ -615,19 +334,19 @@ class CudaBackend final : public BackendBuffer {
     }
 
     // Launches the one-block kernel that publishes this rank's epoch and waits for the peers'.
-    // With host waits (kernels::SyncMode; never inside a capture) it runs twice: publish only, the
-    // host waits on the flags, then a wait-only launch that finds them set.
-    template <class Params>
-    void meet_peers(void (*kernel)(Params), int threads, Params& p, cudaStream_t stream, bool capturing, int32_t phase) {
-        if (host_waits_ && !capturing) {
+    // With host waits (never inside a capture) it runs twice: publish only, the host waits on the
+    // flags, then a wait-only launch that finds them set. `launch` launches the kernel with `p` as it
+    // is at the time of the call.
+    template <class Launch>
+    void meet_peers(Launch&& launch, kernels::CallParams<cuda::Team>& p, cudaStream_t stream, bool capturing,
+                    int32_t phase) {
+        if (launch_.host_waits && !capturing) {
             p.sync_mode = kernels::kPublishOnly;
-            kernel<<<1, threads, 0, stream>>>(p);
-            ELASTICEP_CUDA_CALL(cudaGetLastError());
-            host_wait(stream, phase);
+            launch();
+            watch_->host_wait(stream, phase);
             p.sync_mode = kernels::kWaitOnly;
         }
-        kernel<<<1, threads, 0, stream>>>(p);
-        ELASTICEP_CUDA_CALL(cudaGetLastError());
+        launch();
     }
 
     void finish(cudaStream_t stream, bool synchronous, bool capturing) {
@@ -641,171 +360,35 @@ class CudaBackend final : public BackendBuffer {
         if (has_event_) ELASTICEP_CUDA_CALL(cudaEventSynchronize(last_event_));
     }
 
-    void raise_timeout() {
-        const volatile HostRecord* r = rec_;
-        if (r->timeout_phase == kernels::kPhaseNone) return;
-        const char* phase = r->timeout_phase == kernels::kPhaseDispatch ? "dispatch" : "combine";
-        std::string missing;
-        for (int q = 0; q < num_ranks_ && q < 64; ++q)
-            if (r->timeout_missing & (uint64_t{1} << q)) missing += (missing.empty() ? "" : ", ") + std::to_string(q);
-        raise(ErrorCode::kTimeout,
-              cat(phase, ": rank ", rank_, " waited ", cfg_.timeout.count(), " ms for rank(s) ", missing,
-                  " (expected call #", r->timeout_expected, ", last seen #", r->timeout_observed, "); a peer did not call ",
-                  phase, " or is stuck. This buffer is unusable now: rebuild it. ", diagnose()));
-    }
-
-    // Ranks of one process sharing a GPU (kernels::SyncMode): after this rank's publish has run,
-    // waits on the host for every peer's epoch in this rank's region, bounded by the timeout. Reads
-    // go through the buffer's own non-blocking stream, which no peer's kernel waits on.
-    void host_wait(cudaStream_t stream, int32_t phase) {
-        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
-        uint64_t dev_epoch = 0;
-        int32_t aborted = 0;
-        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(&dev_epoch, ws_.epoch, 8, cudaMemcpyDeviceToHost, own_stream_));
-        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(&aborted, ws_.state, 4, cudaMemcpyDeviceToHost, own_stream_));
-        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
-        if (phase == kernels::kPhaseCombine && aborted) return;  // the dispatch timed out: nothing was published
-        const uint64_t epoch = phase == kernels::kPhaseDispatch ? dev_epoch + 1 : dev_epoch;
-        const size_t r = static_cast<size_t>(num_ranks_);
-        auto* base = static_cast<uint8_t*>(region_ptr_);
-        std::vector<kernels::DispFlag> disp(phase == kernels::kPhaseDispatch ? 2 * r : 0);
-        std::vector<uint64_t> comb(phase == kernels::kPhaseCombine ? r : 0);
-        const auto start = std::chrono::steady_clock::now();
-        for (int spins = 0;; ++spins) {
-            if (phase == kernels::kPhaseDispatch)
-                ELASTICEP_CUDA_CALL(cudaMemcpyAsync(disp.data(), base + region_.disp_flags, disp.size() * sizeof(disp[0]),
-                                                    cudaMemcpyDeviceToHost, own_stream_));
-            else
-                ELASTICEP_CUDA_CALL(cudaMemcpyAsync(comb.data(), base + region_.comb_flags, r * 8, cudaMemcpyDeviceToHost,
-                                                    own_stream_));
-            ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
-            uint64_t missing = 0, observed = epoch;
-            int first = -1;
-            for (size_t q = 0; q < r; ++q) {
-                const uint64_t seen = phase == kernels::kPhaseDispatch ? disp[2 * q + (epoch & 1)].epoch : comb[q];
-                if (seen >= epoch) continue;
-                if (first < 0) first = static_cast<int>(q);
-                if (q < 64) missing |= uint64_t{1} << q;
-                observed = std::min(observed, seen);
-            }
-            if (first < 0) return;
-            if (std::chrono::steady_clock::now() - start > cfg_.timeout) {
-                volatile HostRecord* rec = rec_;
-                rec->timeout_peer = first;
-                rec->timeout_missing = missing;
-                rec->timeout_expected = epoch;
-                rec->timeout_observed = observed;
-                rec->timeout_phase = phase;
-                raise_timeout();
-            }
-            if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
-        }
-    }
-
-    // What this rank sees after a timeout (the waiting kernel has left): whether the device copy of
-    // the peer table is intact, and every sender's flags in this rank's region. Reads on the legacy
-    // stream, which does not wait for the ranks' non-blocking streams.
-    std::string diagnose() {
-        const size_t r = static_cast<size_t>(num_ranks_);
-        std::vector<uint8_t*> table(r);
-        std::vector<kernels::DispFlag> disp(2 * r);
-        std::vector<uint64_t> comb(r);
-        auto* base = static_cast<uint8_t*>(region_ptr_);
-        if (cudaMemcpy(table.data(), ws_.peers, r * sizeof(uint8_t*), cudaMemcpyDeviceToHost) != cudaSuccess ||
-            cudaMemcpy(disp.data(), base + region_.disp_flags, disp.size() * sizeof(kernels::DispFlag),
-                       cudaMemcpyDeviceToHost) != cudaSuccess ||
-            cudaMemcpy(comb.data(), base + region_.comb_flags, r * 8, cudaMemcpyDeviceToHost) != cudaSuccess) {
-            cudaGetLastError();
-            return "(no diagnosis: the device could not be read)";
-        }
-        std::string out = "Diagnosis: peer table ";
-        bool intact = true;
-        for (size_t p = 0; p < r; ++p)
-            if (table[p] != peers_host_[p]) {
-                out += cat(intact ? "CORRUPT: " : ", ", "entry ", p, " is ", static_cast<void*>(table[p]), " not ",
-                           static_cast<void*>(peers_host_[p]));
-                intact = false;
-            }
-        if (intact) out += "intact";
-        out += "; dispatch epochs here per sender (even/odd slot):";
-        for (size_t p = 0; p < r; ++p) out += cat(" ", p, ":", disp[2 * p].epoch, "/", disp[2 * p + 1].epoch);
-        out += "; combine epochs here per holder:";
-        for (size_t p = 0; p < r; ++p) out += cat(" ", p, ":", comb[p]);
-        return out;
-    }
-
     BufferConfig cfg_;
     int rank_, num_ranks_, e_local_;
-    int dev_ = 0, device_sms_ = 0, num_sms_ = 1, ranks_on_gpu_ = 1;
-    bool remote_gpu_ = false;
-    bool region_in_pool_ = false;          // every rank is in this process: region from the device pool
-    bool host_waits_ = false;              // some GPU holds two ranks of one process: kernels::SyncMode
-    std::vector<uint8_t*> peers_host_;  // region of every rank as this rank addresses it
-    MessageLayout msg_;
+    kernels::Shape shape_;
     RegionLayout region_;
-    WorkspaceLayout wl_;
-    Workspace ws_{};
+    int dev_ = 0;
+    cuda::LaunchConfig launch_;
     cudaStream_t own_stream_ = nullptr;
     cudaEvent_t last_event_ = nullptr;
     bool has_event_ = false;
-    void* region_ptr_ = nullptr;
     void* ws_ptr_ = nullptr;
-    void* out_ptr_ = nullptr;
-    HostRecord* rec_ = nullptr;
-    HostRecord* rec_dev_ = nullptr;
-    std::vector<void*> opened_;
-    std::vector<void*> graveyard_;
-    DevStorage x_st_, sc_st_, w_st_, src_st_, mi_st_;
+    Workspace ws_{};
+    std::unique_ptr<cuda::DeviceOutputs> outputs_;
+    std::unique_ptr<cuda::HostRecordLease> record_;
+    std::unique_ptr<transport::SymmetricMemory> window_;
+    std::unique_ptr<cuda::PeerWatch> watch_;
 };
 
 }  // namespace
 
-std::unique_ptr<BackendBuffer> make_cuda_backend(const BackendContext& ctx) { return std::make_unique<CudaBackend>(ctx); }
+std::unique_ptr<BackendBuffer> make_cuda_backend(const BackendContext& ctx) {
+    return std::make_unique<CudaBackend>(ctx);
+}
 
 size_t cuda_reservation_bytes(const BufferConfig& c, int num_ranks) {
-    // the symmetric region, the workspace and the combine output; buffer-owned dispatch outputs
+    // the symmetric window, the workspace and the combine output; buffer-owned dispatch outputs
     // are allocated at the first call of each layout, for its worst case
-    return static_cast<size_t>(region_layout(c, num_ranks).bytes) + WorkspaceLayout::make(c, num_ranks).bytes +
-           static_cast<size_t>(c.max_tokens_per_rank) * static_cast<size_t>(c.hidden) * 2;
-}
-
-}  // namespace elasticep::detail
-
-// ---------------------------------------------------------------------------------------------
-// Self-check: hardware E4M3 conversion against the reference arithmetic, all 2^32 inputs.
-namespace elasticep::detail {
-namespace {
-__global__ void e4m3_check_kernel(unsigned long long* count, uint32_t* first) {
-    const uint64_t n = uint64_t{1} << 32;
-    for (uint64_t i = (uint64_t{blockIdx.x} * blockDim.x + threadIdx.x) * 2; i < n;
-         i += uint64_t{gridDim.x} * blockDim.x * 2) {
-        const float a = __uint_as_float(static_cast<uint32_t>(i)), b = __uint_as_float(static_cast<uint32_t>(i + 1));
-        const uint16_t hw = kernels::e4m3x2(a, b);
-        const uint16_t ref = static_cast<uint16_t>(num::float_to_e4m3(a) | (num::float_to_e4m3(b) << 8));
-        if (hw != ref) {
-            const uint32_t bad = (hw & 0xff) != (ref & 0xff) ? static_cast<uint32_t>(i) : static_cast<uint32_t>(i + 1);
-            atomicMin(first, bad);
-            atomicAdd(count, ((hw & 0xff) != (ref & 0xff)) + ((hw >> 8) != (ref >> 8)));
-        }
-    }
-}
-}  // namespace
-
-uint64_t cuda_e4m3_mismatches(uint32_t* first) {
-    unsigned long long* count = nullptr;
-    uint32_t* f = nullptr;
-    ELASTICEP_CUDA_CALL(cudaMalloc(&count, 8));
-    ELASTICEP_CUDA_CALL(cudaMalloc(&f, 4));
-    ELASTICEP_CUDA_CALL(cudaMemset(count, 0, 8));
-    ELASTICEP_CUDA_CALL(cudaMemset(f, 0xff, 4));
-    e4m3_check_kernel<<<1024, 256>>>(count, f);
-    ELASTICEP_CUDA_CALL(cudaGetLastError());
-    unsigned long long c = 0;
-    ELASTICEP_CUDA_CALL(cudaMemcpy(&c, count, 8, cudaMemcpyDeviceToHost));
-    ELASTICEP_CUDA_CALL(cudaMemcpy(first, f, 4, cudaMemcpyDeviceToHost));
-    cudaFree(count);
-    cudaFree(f);
-    return c;
+    const kernels::Shape shape = make_shape(c, num_ranks);
+    return static_cast<size_t>(RegionLayout::make(shape).bytes + Workspace::carve(shape, nullptr).bytes +
+                               reservation(c, num_ranks).combine_out);
 }
 
 }  // namespace elasticep::detail

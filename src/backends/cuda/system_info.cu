@@ -13,10 +13,7 @@ namespace detail {
 
 bool cuda_backend_compiled() { return true; }
 
-bool cuda_backend_ready();
-
 bool cuda_backend_available() {
-    if (!cuda_backend_ready()) return false;
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) {
         cudaGetLastError();  // clear the sticky "no device" error

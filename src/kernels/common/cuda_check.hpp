@@ -7,13 +7,13 @@
 
 #include "core/check.hpp"
 
-#define ELASTICEP_CUDA_CALL(expr)                                                                          \
-    do {                                                                                                   \
-        const cudaError_t elasticep_err_ = (expr);                                                         \
-        if (elasticep_err_ != cudaSuccess)                                                                 \
-            ::elasticep::detail::raise(::elasticep::ErrorCode::kCuda,                                      \
-                                       ::elasticep::detail::cat(#expr, " failed: ",                        \
-                                                                cudaGetErrorString(elasticep_err_)));      \
+#define ELASTICEP_CUDA_CALL(expr)                                                                  \
+    do {                                                                                           \
+        const cudaError_t elasticep_err_ = (expr);                                                 \
+        if (elasticep_err_ != cudaSuccess)                                                         \
+            ::elasticep::detail::raise(                                                            \
+                ::elasticep::ErrorCode::kCuda,                                                     \
+                ::elasticep::detail::cat(#expr, " failed: ", cudaGetErrorString(elasticep_err_))); \
     } while (0)
 
 // The last launch's error, as ELASTICEP_CUDA_CALL reports it.

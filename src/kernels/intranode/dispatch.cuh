@@ -1,75 +1,59 @@
-// Dispatch kernels of the direct topology. Push model: the sender writes each token once per
-// destination rank into that receiver's slot region; the receiver expands it locally.
-//   plan_kernel     sender: per global expert / per destination ordered scans over tokens
-//                   (route positions, slot indices, counts) and the call's route status.
-//   send_kernel     sender: warp per token; FP8 quantization fused; 16-byte stores into peers.
-//   exchange_kernel one block: publishes count/status/expert counts to every receiver (data
-//                   before the release.sys epoch), waits (bounded) for every sender, derives
-//                   counts, segment starts and per-sender bases.
-//   expand_kernel   receiver: messages in (sender, slot) order into the chosen layout, padding
-//                   rows' metadata (and data with zero_padding).
+// Dispatch kernels of the direct topology (protocol: src/core/protocol.hpp, "Dispatch"). Push model:
+// a sender writes each token once per destination rank into that rank's window; the receiver expands
+// the messages into the caller's layout. Four kernels on one stream, in this order:
+//
+// plan_kernel      grid E + R + kStatusBlocks, block kThreads. Host precondition: the workspace was
+//                  zeroed once and first_bad_route holds kNoRouteKey.
+//                  Reads this rank's topk_idx and (one thread) the host-mapped sticky word.
+//                  Writes ws.pos_in_expert, ws.expert_count (block e < E: ordered scan over tokens for
+//                  expert e), ws.slot_of, ws.dest_count (block E + d: the same for destination rank d),
+//                  ws.first_bad_route (atomicMin of route_key), ws.state->sticky_seen. Waits on nobody.
+// send_kernel      grid 2 * num_sms, block kThreads (2 blocks per SM). Work item: a RowSlice of one
+//                  token. Reads x (+ x_scales), topk_idx / topk_weights and the plan. Writes, in every
+//                  destination's window, the token's message (FP8 quantization fused) and its
+//                  route_pos row; ws.clean_idx. Each block ends with a system fence; nothing is
+//                  announced yet. A rejected host-sync call sends nothing.
+// exchange_kernel  one block of 256 threads. Resolves the call's route status (decide_route_status),
+//                  writes count, status and per-expert counts into every receiver's dispatch flag and
+//                  signals its epoch (release); then waits (bounded) for every sender's flag in this
+//                  rank's window and derives msg_start, counts, offsets (segment starts), expert_base,
+//                  expert_load and the host record's summary (M, the first bad sender). With host
+//                  waits (SyncMode) it runs twice: publish only, the host waits, then wait only.
+// expand_kernel    grid 2 * num_sms, block kThreads. Work item: a RowSlice of one received message
+//                  (sender, slot) order. Reads this rank's window and workspace; writes recv_x,
+//                  recv_scales, recv_weights, recv_src, m_indices, ws.recv_rows, then the padding
+//                  rows' metadata (and data with zero_padding). Does nothing after a timeout or a
+//                  rejection.
+// Peer data (counts, per-expert counts, positions, expert ids, source tokens) is checked where it is
+// first read (exchange, expand): a bad value is dropped and recorded as a peer fault naming the sender,
+// so no row index a peer wrote can address outside the outputs.
 #pragma once
 
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
+#include "core/limits.hpp"
 #include "core/numerics.hpp"
+#include "kernels/common/primitives.cuh"
 #include "kernels/intranode/params.cuh"
 
 namespace elasticep::kernels {
 
-constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
+constexpr int kStatusBlocks = 16;  // plan blocks that look for the first invalid route
+constexpr int kExchangeThreads = 256;
 
-__device__ __forceinline__ int64_t load_idx(const void* p, bool idx64, int64_t stride, int t, int k) {
-    return idx64 ? static_cast<const int64_t*>(p)[t * stride + k] : static_cast<const int32_t*>(p)[t * stride + k];
+// topk_idx[t][k] of this rank's input, int32 or int64 (kIdx64)
+template <bool kIdx64, class Params>
+__device__ __forceinline__ int64_t topk_at(const Params& p, int t, int k) {
+    using Index = std::conditional_t<kIdx64, int64_t, int32_t>;
+    return static_cast<const Index*>(p.topk_idx)[t * p.topk_idx_row_stride + k];
 }
 
-// Lane k < K holds raw id v of token t. Returns the cleaned id (-1 for no route or invalid) and
-// sets `bad_kind` (1 out of range, 2 repeat) and `dup_of`. Whole warp must call.
-__device__ __forceinline__ int32_t clean_route(int64_t v, bool active, int num_experts, int& bad_kind, int& dup_of) {
-    const int lane = threadIdx.x & 31;
-    const bool in_range = active && v >= 0 && v < num_experts;
-    // inactive / no-route lanes get unique keys so they never match
-    const unsigned long long key =
-        in_range ? static_cast<unsigned long long>(v) : (0xffffffff00000000ull | static_cast<unsigned>(lane));
-    const unsigned same = __match_any_sync(0xffffffffu, key);
-    const int first = __ffs(same) - 1;
-    bad_kind = 0;
-    dup_of = -1;
-    if (active && (v < -1 || v >= num_experts)) bad_kind = 1;
-    else if (in_range && first != lane) {
-        bad_kind = 2;
-        dup_of = first;
-    }
-    return (in_range && first == lane) ? static_cast<int32_t>(v) : -1;
-}
-
-// Exclusive ordered scan of one flag per thread across the block; returns the thread's prefix
-// and adds the block total to `running` (same value in every thread).
-__device__ __forceinline__ int block_scan(bool flag, int& running) {
-    __shared__ int warp_sums[kWarps];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-    if (lane == 0) warp_sums[warp] = __popc(ballot);
-    __syncthreads();
-    int before = 0, total = 0;
-    for (int w = 0; w < kWarps; ++w) {
-        const int s = warp_sums[w];
-        if (w < warp) before += s;
-        total += s;
-    }
-    __syncthreads();
-    const int prefix = running + before + __popc(ballot & ((1u << lane) - 1u));
-    running += total;
-    return prefix;
-}
-
-constexpr int kStatusBlocks = 16;
-
-__global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams p) {
-    const Shape& sh = p.sh;
+template <class Team, bool kIdx64>
+__global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams<Team> p) {
+    const Shape& sh = p.shape;
     const int b = blockIdx.x;
     const int t_count = p.num_tokens;
     if (b < sh.num_experts + sh.num_ranks) {
@@ -79,25 +63,29 @@ __global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams p) {
         int running = 0;
         for (int base = 0; base < t_count; base += kThreads) {
             const int t = base + threadIdx.x;
-            int hit_k = -1;
+            int hit_k = -1;  // the smallest k of the token that hits (a valid route: a repeat has a smaller twin)
             if (t < t_count) {
 #pragma unroll 4
                 for (int k = sh.num_topk - 1; k >= 0; --k) {  // no early exit: the loads overlap
-                    const int64_t v = load_idx(p.idx, p.idx64, p.idx_stride, t, k);
-                    const bool hit = by_expert ? v == e
-                                               : (v >= 0 && v < sh.num_experts && v / sh.e_local == d);
+                    const int64_t v = topk_at<kIdx64>(p, t, k);
+                    const bool hit =
+                        by_expert ? v == e : (v >= 0 && v < sh.num_experts && v / sh.num_local_experts == d);
                     if (hit) hit_k = k;
                 }
             }
             const int pos = block_scan(hit_k >= 0, running);
             if (hit_k >= 0) {
-                if (by_expert) p.ws.pos_in_expert[t * sh.num_topk + hit_k] = pos;
-                else p.ws.slot_of[t * sh.num_ranks + d] = pos;
+                if (by_expert)
+                    p.ws.pos_in_expert[t * sh.num_topk + hit_k] = pos;
+                else
+                    p.ws.slot_of[t * sh.num_topk + hit_k] = pos;
             }
         }
         if (threadIdx.x == 0) {
-            if (by_expert) p.ws.expert_count[e] = running;
-            else p.ws.dest_count[d] = running;
+            if (by_expert)
+                p.ws.expert_count[e] = running;
+            else
+                p.ws.dest_count[d] = running;
         }
         return;
     }
@@ -105,60 +93,56 @@ __global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams p) {
     // One thread copies the sticky word from host-mapped memory for the send kernel: reads of
     // mapped memory cross PCIe one at a time, so no wide kernel may read it.
     if (b == sh.num_experts + sh.num_ranks && threadIdx.x == 0)
-        p.ws.state[3] = reinterpret_cast<volatile int32_t*>(&p.rec->sticky.kind)[0];
-    const int lane = threadIdx.x & 31;
-    const int first_warp = (b - sh.num_experts - sh.num_ranks) * kWarps + (threadIdx.x >> 5);
+        p.ws.state->sticky_seen = reinterpret_cast<volatile int32_t*>(&p.record->sticky.kind)[0];
+    const int lane = lane_id();
+    const int first_warp = (b - sh.num_experts - sh.num_ranks) * kWarps + warp_id();
     for (int t = first_warp; t < t_count; t += kStatusBlocks * kWarps) {
         const bool active = lane < sh.num_topk;
-        const int64_t v = active ? load_idx(p.idx, p.idx64, p.idx_stride, t, lane) : -1;
-        int kind, dup;
-        clean_route(v, active, sh.num_experts, kind, dup);
-        const unsigned bad = __ballot_sync(0xffffffffu, kind != 0);
-        if (bad && lane == 0) atomicMin(p.ws.bad_key, static_cast<unsigned long long>(t) * 32ull + (__ffs(bad) - 1));
+        const int64_t v = active ? topk_at<kIdx64>(p, t, lane) : -1;
+        int fault, dup;
+        clean_route(v, active, sh.num_experts, fault, dup);
+        const unsigned bad = __ballot_sync(kFullMask, fault != detail::kRouteOk);
+        if (bad && lane == 0) atomicMin(p.ws.first_bad_route, detail::route_key(t, __ffs(bad) - 1));
     }
 }
 
 // The call's route status, resolved once by the exchange (one thread): this call's first invalid
-// route, or with host sync a sticky fault left by an earlier graph-mode call (reported, cleared).
-// Graph mode publishes no rejection and records the first invalid route as sticky instead.
-__device__ RouteStatus resolve_status(const DispatchParams& p) {
-    const Shape& sh = p.sh;
-    const unsigned long long key = *p.ws.bad_key;
-    *p.ws.bad_key = ~0ull;
+// route and the sticky word go through decide_route_status (protocol.hpp); graph mode records the
+// first invalid route as the sticky fault.
+template <bool kIdx64, class Team>
+__device__ RouteStatus resolve_route_status(const DispatchParams<Team>& p) {
+    const Shape& sh = p.shape;
+    const unsigned long long key = *p.ws.first_bad_route;
+    *p.ws.first_bad_route = detail::kNoRouteKey;
     RouteStatus bad{};
-    if (key != ~0ull) {
-        const int t = static_cast<int>(key / 32), k = static_cast<int>(key % 32);
-        const int64_t v = load_idx(p.idx, p.idx64, p.idx_stride, t, k);
+    if (key != detail::kNoRouteKey) {
+        const int t = static_cast<int>(detail::route_key_token(key)), k = detail::route_key_k(key);
+        const int64_t v = topk_at<kIdx64>(p, t, k);
         bad.token = t;
         bad.k = k;
         bad.value = v;
         bad.dup_of = -1;
         if (v < -1 || v >= sh.num_experts) {
-            bad.kind = 1;
+            bad.kind = detail::kRouteOutOfRange;
         } else {
-            bad.kind = 2;
+            bad.kind = detail::kRouteRepeated;
             for (int j = 0; j < k; ++j)
-                if (load_idx(p.idx, p.idx64, p.idx_stride, t, j) == v) {
+                if (topk_at<kIdx64>(p, t, j) == v) {
                     bad.dup_of = j;
                     break;
                 }
         }
     }
-    volatile RouteStatus* sticky = &p.rec->sticky;
-    RouteStatus st{};
-    if (p.host_sync) {
-        if (sticky->kind != 0) {
-            st.kind = sticky->kind;
-            st.token = sticky->token;
-            st.k = sticky->k;
-            st.dup_of = sticky->dup_of;
-            st.value = sticky->value;
-            st.sticky = 1;
-            sticky->kind = 0;
-        } else {
-            st = bad;
-        }
-    } else if (bad.kind != 0 && sticky->kind == 0) {
+    volatile RouteStatus* sticky = &p.record->sticky;
+    RouteStatus now{};
+    now.kind = sticky->kind;
+    now.token = sticky->token;
+    now.k = sticky->k;
+    now.dup_of = sticky->dup_of;
+    now.value = sticky->value;
+    const detail::RouteDecision d = detail::decide_route_status(p.host_sync, now, bad);
+    if (d.clear_sticky) sticky->kind = detail::kRouteOk;
+    if (d.record_sticky) {
         sticky->token = bad.token;
         sticky->k = bad.k;
         sticky->dup_of = bad.dup_of;
@@ -166,66 +150,42 @@ __device__ RouteStatus resolve_status(const DispatchParams& p) {
         __threadfence_system();
         sticky->kind = bad.kind;
     }
-    return st;
+    return d.publish;
 }
 
-// Two floats to E4M3 (RNE, satfinite, NaN -> 0x7f): the hardware conversion. Equal to
-// num::float_to_e4m3 for every fp32 input (checked exhaustively by cuda_e4m3_mismatches, run by the
-// gpu tests); the low byte holds `lo`.
-__device__ __forceinline__ uint16_t e4m3x2(float lo, float hi) {
-    return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
-}
-
-__device__ __forceinline__ uint4 load16(const void* base, int64_t byte_off, bool aligned) {
-    const uint8_t* src = static_cast<const uint8_t*>(base) + byte_off;
-    if (aligned) return *reinterpret_cast<const uint4*>(src);
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        w[i] = static_cast<uint32_t>(src[4 * i]) | (static_cast<uint32_t>(src[4 * i + 1]) << 8) |
-               (static_cast<uint32_t>(src[4 * i + 2]) << 16) | (static_cast<uint32_t>(src[4 * i + 3]) << 24);
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// Work split of a kernel whose unit is a row of `steps` serial steps: with fewer rows than warps
-// (decode) a row's steps are split over several warps, otherwise (prefill) a warp takes whole rows.
-// Work item i is slice i % slices of row i / slices and covers steps [begin, end).
-struct RowSlice {
-    int row, begin, end;
-    bool first;  // the slice that also writes the row's metadata
-};
-
-__device__ __forceinline__ int row_slices(int rows, int steps, int warps) {
-    return max(1, min(steps, warps / max(rows, 1)));
-}
-
-__device__ __forceinline__ RowSlice row_slice(int64_t item, int slices, int steps) {
-    const int sl = static_cast<int>(item % slices);
-    return {static_cast<int>(item / slices), sl * steps / slices, (sl + 1) * steps / slices, sl == 0};
-}
-
-constexpr int kMaxRanksDevice = 64;
-
-__global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
-    const Shape& sh = p.sh;
+template <class Team, SendPayload kPayload, bool kIdx64>
+__global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams<Team> p) {
+    constexpr bool kFP8 = payload_is_fp8(kPayload);
+    constexpr bool kFused = payload_quantizes(kPayload);  // bf16 in, fp8 + scales out
+    constexpr bool kF32Scales = payload_f32_scales(kPayload);
+    constexpr int kScaleGroup = payload_scale_group(kPayload);
+    static_assert(kScaleGroup % 16 == 0 && kScaleGroup / 16 <= kWarpSize,
+                  "a scale group is whole lanes of 16 channels");
+    static_assert(Team::kLoadStore, "the send kernel stores into its peers' windows");
+    const Shape& sh = p.shape;
+    const RegionLayout& region = p.region;
     // host-sync call rejected (this call's invalid route, or a sticky fault): nothing is sent; the
     // exchange derives the same decision from the same words
     __shared__ bool reject;
-    // per warp: the token's destination messages, in destination order
-    __shared__ uint8_t* dst_msg[kWarps][kMaxRanksDevice];
+    // per warp: the token's destinations in first-k order (at most K): their message and route-position
+    // row in the destination's window, and the destination rank
+    __shared__ uint8_t* dst_msg[kWarps][kMaxTopk];
+    __shared__ int32_t* dst_route_pos[kWarps][kMaxTopk];
+    __shared__ int32_t dst_rank[kWarps][kMaxTopk];
     if (threadIdx.x == 0)
-        reject = p.host_sync && (*p.ws.bad_key != ~0ull || p.ws.state[3] != 0);
+        reject = p.host_sync && (*p.ws.first_bad_route != detail::kNoRouteKey || p.ws.state->sticky_seen != 0);
     __syncthreads();
     if (reject) return;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = lane_id(), warp = warp_id();
     const int warps_total = gridDim.x * kWarps;
     const MessageLayout& m = sh.msg;
-    const int64_t slot_base = int64_t{sh.rank} * sh.capacity;
+    const int64_t slot_base = int64_t{p.team.rank()} * sh.capacity;
     uint8_t** msgs = dst_msg[warp];
+    int32_t** route_pos_rows = dst_route_pos[warp];
+    int32_t* dests = dst_rank[warp];
     // work items: RowSlice over this rank's tokens
-    const bool fused = p.fp8 && !p.prequantized;
-    const int chunks = p.fp8 ? sh.hidden / 16 : sh.hidden / 8;  // 16-byte chunks moved as is
-    const int iters = fused ? (sh.hidden + 511) / 512 : (chunks + 127) / 128;
+    const int chunks = kFP8 ? sh.hidden / 16 : sh.hidden / 8;  // 16-byte chunks moved as is
+    const int iters = kFused ? (sh.hidden + 511) / 512 : (chunks + 127) / 128;
     const int slices = row_slices(p.num_tokens, iters, warps_total);
     const int64_t items = int64_t{p.num_tokens} * slices;
     for (int64_t item = blockIdx.x * kWarps + warp; item < items; item += warps_total) {
@@ -233,46 +193,44 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
         const int t = slice.row, it0 = slice.begin, it1 = slice.end;
         const bool first = slice.first;
         const bool active = lane < sh.num_topk;
-        const int64_t v = active ? load_idx(p.idx, p.idx64, p.idx_stride, t, lane) : -1;
-        int kind, dup;
-        const int32_t clean = clean_route(v, active, sh.num_experts, kind, dup);
-        const int dest = clean >= 0 ? clean / sh.e_local : -1;
+        const int64_t v = active ? topk_at<kIdx64>(p, t, lane) : -1;
+        int fault, dup;
+        const int32_t clean = clean_route(v, active, sh.num_experts, fault, dup);
+        const int dest = clean >= 0 ? clean / sh.num_local_experts : -1;
         if (active && first) p.ws.clean_idx[t * sh.num_topk + lane] = clean;
-        unsigned long long mask = dest >= 0 ? (1ull << dest) : 0ull;
-        for (int o = 16; o > 0; o >>= 1) mask |= __shfl_xor_sync(0xffffffffu, mask, o);
-        if (mask == 0) continue;
-        const int num_dst = __popcll(mask);
-        // lane i resolves the i-th destination's message address once per token
-        for (int i = lane; i < num_dst; i += 32) {
-            unsigned long long mm = mask;
-            for (int j = 0; j < i; ++j) mm &= mm - 1;
-            const int d = __ffsll(static_cast<long long>(mm)) - 1;
-            const int64_t slot = slot_base + p.ws.slot_of[t * sh.num_ranks + d];
-            msgs[i] = p.ws.peers[d] + sh.region.disp_slots + slot * m.bytes;
+        // the token's distinct destinations in first-k order: lane k leads destination d when no lower
+        // lane routes to d (the plan kernel stored the token's slot at d under that same k)
+        const bool leads = leads_group(dest);
+        const unsigned leaders = __ballot_sync(kFullMask, leads);
+        if (leaders == 0) continue;
+        const int num_dst = __popc(leaders);
+        if (leads) {  // (the previous token's lists were read before the loop's closing __syncwarp)
+            const int i = __popc(leaders & lanes_below(lane));
+            const int64_t slot = slot_base + p.ws.slot_of[t * sh.num_topk + lane];
+            uint8_t* window = p.team.window(dest);
+            msgs[i] = window + region.message(slot);
+            route_pos_rows[i] = RegionLayout::at<int32_t>(window, region.route_pos_row(slot));
+            dests[i] = dest;
         }
         __syncwarp();
-        const float w = (active && p.weights) ? p.weights[t * p.w_stride + lane] : 0.0f;
+        const float w = (active && p.topk_weights) ? p.topk_weights[t * p.topk_weights_row_stride + lane] : 0.0f;
         const int pos = clean >= 0 ? p.ws.pos_in_expert[t * sh.num_topk + lane] : -1;
         // metadata (the first slice)
         if (first) {
-            int i = 0;
-            for (unsigned long long mm = mask; mm; mm &= mm - 1, ++i) {
-                const int d = __ffsll(static_cast<long long>(mm)) - 1;
+            for (int i = 0; i < num_dst; ++i) {
                 uint8_t* msg = msgs[i];
                 if (active) {
                     reinterpret_cast<int32_t*>(msg + m.idx_offset)[lane] = clean;
                     reinterpret_cast<float*>(msg + m.weight_offset)[lane] = w;
-                    const int64_t slot = (msg - (p.ws.peers[d] + sh.region.disp_slots)) / m.bytes;
-                    reinterpret_cast<int32_t*>(p.ws.peers[d] + sh.region.route_pos)[slot * sh.num_topk + lane] =
-                        dest == d ? pos : -1;
+                    route_pos_rows[i][lane] = dest == dests[i] ? pos : -1;
                 }
                 if (lane == 0) *reinterpret_cast<int32_t*>(msg + m.src_offset) = t;
             }
         }
         // payload
-        if (!p.fp8 || p.prequantized) {
+        if constexpr (!kFused) {
             // moved as is: 4 loads in flight per lane before their stores
-            const int64_t row_off = t * p.x_stride * (p.fp8 ? 1 : 2);
+            const int64_t row_off = t * p.x_row_stride * (kFP8 ? 1 : 2);
             for (int c0 = it0 * 128 + lane; c0 < min(chunks, it1 * 128); c0 += 128) {
                 uint4 v[4];
 #pragma unroll
@@ -285,18 +243,19 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
                     for (int u = 0; u < 4; ++u)
                         if (c0 + 32 * u < chunks) reinterpret_cast<uint4*>(msgs[i])[c0 + 32 * u] = v[u];
             }
-            if (p.prequantized && first)
-                for (int c = lane; c < p.scale_cols; c += 32) {
-                    const uint32_t word = p.x_scales[t * p.xs_stride + c];
+            if (kPayload == SendPayload::kFP8Copy && first)
+                for (int c = lane; c < p.scale_columns; c += 32) {
+                    const uint32_t word = p.x_scales[t * p.x_scales_row_stride + c];
                     for (int i = 0; i < num_dst; ++i) reinterpret_cast<uint32_t*>(msgs[i] + m.payload_bytes)[c] = word;
                 }
         } else {
             // fused quantization: lane owns 16 channels (one 16-byte fp8 store per destination); a
             // group is G/16 consecutive lanes; the next step's 32 bytes are loaded ahead
-            const int lanes_per_group = p.group / 16;
-            if (first && !p.f32_scales && lane < p.scale_cols * 4 - p.num_groups)
-                for (int i = 0; i < num_dst; ++i) (msgs[i] + m.payload_bytes)[p.num_groups + lane] = 0;
-            const int64_t row_off = t * p.x_stride * 2;
+            constexpr int kLanesPerGroup = kScaleGroup / 16;
+            const int num_groups = sh.hidden / kScaleGroup;
+            if (!kF32Scales && first && lane < p.scale_columns * 4 - num_groups)
+                for (int i = 0; i < num_dst; ++i) (msgs[i] + m.payload_bytes)[num_groups + lane] = 0;
+            const int64_t row_off = t * p.x_row_stride * 2;
             const int begin = it0 * 512, end = min(sh.hidden, it1 * 512);
             uint4 next0 = make_uint4(0, 0, 0, 0), next1 = next0;
             if (begin + lane * 16 < end) {
@@ -321,12 +280,13 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
                 }
 #pragma unroll
                 for (int i = 0; i < 16; ++i) amax = num::fmax_ignore_nan(amax, num::abs_bits(f[i]));
-                for (int o = lanes_per_group / 2; o > 0; o >>= 1)
-                    amax = num::fmax_ignore_nan(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+#pragma unroll
+                for (int o = kLanesPerGroup / 2; o > 0; o >>= 1)
+                    amax = num::fmax_ignore_nan(amax, __shfl_xor_sync(kFullMask, amax, o));
                 amax = num::fmax_ignore_nan(amax, num::kAmaxFloor);
                 float mul;
                 uint32_t scale_bits;
-                if (p.f32_scales) {
+                if constexpr (kF32Scales) {
                     scale_bits = num::float_bits(__fdiv_rn(amax, num::kE4M3Max));
                     mul = __fdiv_rn(num::kE4M3Max, amax);
                 } else {
@@ -339,15 +299,17 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
                 for (int i = 0; i < 16; i += 2)
                     q[i / 4] |= static_cast<uint32_t>(e4m3x2(__fmul_rn(f[i], mul), __fmul_rn(f[i + 1], mul)))
                                 << (8 * (i % 4));
-                const int gi = ch / p.group;
-                const bool leader = ok && (lane % lanes_per_group) == 0;
+                const int gi = ch / kScaleGroup;
+                const bool leader = ok && (lane % kLanesPerGroup) == 0;
                 if (ok)
                     for (int i = 0; i < num_dst; ++i) {
                         uint8_t* msg = msgs[i];
                         *reinterpret_cast<uint4*>(msg + ch) = make_uint4(q[0], q[1], q[2], q[3]);
                         if (leader) {
-                            if (p.f32_scales) reinterpret_cast<uint32_t*>(msg + m.payload_bytes)[gi] = scale_bits;
-                            else (msg + m.payload_bytes)[gi] = static_cast<uint8_t>(scale_bits);
+                            if constexpr (kF32Scales)
+                                reinterpret_cast<uint32_t*>(msg + m.payload_bytes)[gi] = scale_bits;
+                            else
+                                (msg + m.payload_bytes)[gi] = static_cast<uint8_t>(scale_bits);
                         }
                     }
             }
@@ -355,89 +317,127 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams p) {
         __syncwarp();
     }
     // one system-scope fence per block, after the block's writes (cumulative through the barrier);
-    // the exchange's release store then publishes them
+    // the exchange's signals then publish them
     __syncthreads();
-    if (threadIdx.x == 0) __threadfence_system();
+    if (threadIdx.x == 0) Team::fence();
 }
 
-__device__ __forceinline__ DispFlag* disp_flag(uint8_t* region, const Shape& sh, int sender, int parity) {
-    return reinterpret_cast<DispFlag*>(region + sh.region.disp_flags) + sender * 2 + parity;
-}
-__device__ __forceinline__ int32_t* disp_ecounts(uint8_t* region, const Shape& sh, int sender, int parity) {
-    return reinterpret_cast<int32_t*>(region + sh.region.disp_ecounts) + (sender * 2 + parity) * sh.e_local;
-}
-
-__global__ void __launch_bounds__(256) exchange_kernel(DispatchParams p) {
-    const Shape& sh = p.sh;
+template <class Team, bool kIdx64>
+__global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchParams<Team> p) {
+    static_assert(kMaxLocalExperts <= 1024, "segment sizes are scanned in one block's shared memory");
+    static_assert(Team::kLoadStore, "the exchange writes the counts into its peers' windows");
+    const Shape& sh = p.shape;
+    const RegionLayout& region = p.region;
+    const Team& team = p.team;
+    const int rank = team.rank();
     __shared__ bool ok;
-    __shared__ RouteStatus st_shared;
     const uint64_t epoch = *p.ws.epoch + 1;
     const int parity = static_cast<int>(epoch & 1);
+    uint8_t* mine = team.self();
     if (p.sync_mode != kWaitOnly) {
-        if (threadIdx.x == 0) {
-            st_shared = resolve_status(p);
-            *p.ws.status = st_shared;
-        }
+        if (threadIdx.x == 0) *p.ws.route_status = resolve_route_status<kIdx64>(p);
         __syncthreads();
-        const RouteStatus st = st_shared;
-        const bool reject = st.kind != 0;
-        for (int i = threadIdx.x; i < sh.num_ranks; i += blockDim.x) {
-            DispFlag* f = disp_flag(p.ws.peers[i], sh, sh.rank, parity);
-            f->count = reject ? 0 : p.ws.dest_count[i];
+        const RouteStatus st = *p.ws.route_status;
+        const bool reject = st.any();
+        for (int d = threadIdx.x; d < sh.num_ranks; d += blockDim.x) {
+            DispatchFlag* f = RegionLayout::at<DispatchFlag>(team.window(d), region.dispatch_flag(rank, parity));
+            f->count = reject ? 0 : p.ws.dest_count[d];
             f->status = st;
         }
-        for (int i = threadIdx.x; i < sh.num_ranks * sh.e_local; i += blockDim.x) {
-            const int d = i / sh.e_local, l = i % sh.e_local;
-            disp_ecounts(p.ws.peers[d], sh, sh.rank, parity)[l] = reject ? 0 : p.ws.expert_count[d * sh.e_local + l];
+        for (int i = threadIdx.x; i < sh.num_ranks * sh.num_local_experts; i += blockDim.x) {
+            const int d = i / sh.num_local_experts, l = i % sh.num_local_experts;
+            RegionLayout::at<int32_t>(team.window(d), region.expert_counts_row(rank, parity))[l] =
+                reject ? 0 : p.ws.expert_count[d * sh.num_local_experts + l];
         }
-        __threadfence_system();
+        team.fence();
         __syncthreads();
-        if (threadIdx.x == 0)
-            for (int d = 0; d < sh.num_ranks; ++d)
-                st_release_sys(&disp_flag(p.ws.peers[d], sh, sh.rank, parity)->epoch, epoch);
+        // every thread signals its share of the receivers; each signal releases the block's writes
+        // above (fenced, then observed through the barrier)
+        for (int d = threadIdx.x; d < sh.num_ranks; d += blockDim.x)
+            team.signal(d, region.dispatch_flag(rank, parity), epoch);
         if (p.sync_mode == kPublishOnly) return;  // the host waits, then launches the kWaitOnly half
     }
     if (threadIdx.x == 0) {
         // with kWaitOnly the host has already seen every flag: this returns at once
-        ok = wait_peers([&](int s) { return &disp_flag(p.my_region, sh, s, parity)->epoch; }, sh.num_ranks, epoch,
-                        p.timeout_ns, kPhaseDispatch, p.rec);
+        ok = wait_all(
+                 team, [&](int s) { return region.dispatch_flag(s, parity); }, epoch, Deadline::from_now(p.timeout_ns),
+                 kPhaseDispatch, p.record) == WaitStatus::kOk;
         *p.ws.epoch = epoch;
-        p.ws.state[0] = ok ? 0 : 1;
+        p.ws.state->timed_out = ok ? 0 : 1;
     }
     __syncthreads();
     if (!ok) return;
-    for (int s = threadIdx.x; s < sh.num_ranks; s += blockDim.x)
-        p.ws.recv_count[s] = static_cast<int32_t>(reinterpret_cast<volatile int64_t*>(&disp_flag(p.my_region, sh, s, parity)->count)[0]);
-    __shared__ int32_t seg[1024];  // rounded segment sizes (e_local <= 1024 is checked on the host)
-    for (int l = threadIdx.x; l < sh.e_local; l += blockDim.x) {
+    auto flag_of = [&](int s) { return RegionLayout::at<DispatchFlag>(mine, region.dispatch_flag(s, parity)); };
+    auto expert_counts_of = [&](int s) {
+        return reinterpret_cast<volatile int32_t*>(
+            RegionLayout::at<int32_t>(mine, region.expert_counts_row(s, parity)));
+    };
+    // Received messages per sender, checked on receipt: a count outside [0, C], a per-expert count
+    // outside [0, count], or per-expert counts summing above count * min(K, E_local) (a token carries
+    // at most that many routes to one rank) drop the sender (-1 here) and record a peer fault.
+    __shared__ int32_t recv_count[kMaxRanks];
+    const int64_t routes_per_token = sh.num_topk < sh.num_local_experts ? sh.num_topk : sh.num_local_experts;
+    for (int s = threadIdx.x; s < sh.num_ranks; s += blockDim.x) {
+        const int64_t count = reinterpret_cast<volatile int64_t*>(&flag_of(s)->count)[0];
+        const bool count_ok = count >= 0 && count <= sh.capacity;
+        // every per-expert count is loaded (no data-dependent exit, so the loads overlap)
+        const int32_t* counts_row = RegionLayout::at<int32_t>(mine, region.expert_counts_row(s, parity));
+        int64_t sum = 0, bad_count = 0;
+        bool each_ok = true;
+#pragma unroll 4
+        for (int l = 0; l < sh.num_local_experts; ++l) {
+            const int64_t c = __ldcg(counts_row + l);
+            sum += c;
+            const bool ok_c = c >= 0 && c <= count;
+            bad_count = each_ok && !ok_c ? c : bad_count;
+            each_ok = each_ok && ok_c;
+        }
+        const bool sum_ok = sum <= count * routes_per_token;
+        if (!count_ok)
+            record_peer_fault(p.ws, p.record, detail::kPeerCount, s, kPhaseDispatch, count, sh.capacity);
+        else if (!each_ok)
+            record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch, bad_count, count);
+        else if (!sum_ok)
+            record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch, sum,
+                              count * routes_per_token);
+        recv_count[s] = count_ok && each_ok && sum_ok ? static_cast<int32_t>(count) : -1;
+    }
+    __syncthreads();
+    __shared__ int32_t seg[kMaxLocalExperts];  // rounded segment sizes
+    for (int l = threadIdx.x; l < sh.num_local_experts; l += blockDim.x) {
         int32_t total = 0;
         for (int s = 0; s < sh.num_ranks; ++s) {
-            p.ws.base[s * sh.e_local + l] = total;
-            total += reinterpret_cast<volatile int32_t*>(disp_ecounts(p.my_region, sh, s, parity))[l];
+            p.ws.expert_base[s * sh.num_local_experts + l] = total;
+            if (recv_count[s] >= 0) total += expert_counts_of(s)[l];
         }
         p.ws.counts[l] = total;
-        p.ws.load[l] += total;
-        seg[l] = p.contiguous ? static_cast<int32_t>(round_up(total, p.alignment)) : 0;
+        p.ws.expert_load[l] += total;
+        seg[l] = p.expert_alignment > 0 ? static_cast<int32_t>(round_up(total, p.expert_alignment)) : 0;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+        int32_t received = 0;
+        for (int s = 0; s < sh.num_ranks; ++s) {
+            p.ws.msg_start[s] = received;
+            if (recv_count[s] > 0) received += recv_count[s];
+        }
+        p.ws.msg_start[sh.num_ranks] = received;
         int32_t at = 0;
-        p.ws.start[0] = 0;
-        for (int l = 0; l < sh.e_local; ++l) {
+        p.ws.offsets[0] = 0;
+        for (int l = 0; l < sh.num_local_experts; ++l) {
             at += seg[l];
-            p.ws.start[l + 1] = at;
+            p.ws.offsets[l + 1] = at;
         }
         int bad_sender = -1;
         for (int s = 0; s < sh.num_ranks && bad_sender < 0; ++s)
-            if (reinterpret_cast<volatile int32_t*>(&disp_flag(p.my_region, sh, s, parity)->status.kind)[0] != 0)
-                bad_sender = s;
-        p.ws.state[1] = bad_sender >= 0 ? 1 : 0;
-        p.ws.state[2] = at;
-        volatile HostRecord* r = p.rec;
+            if (reinterpret_cast<volatile int32_t*>(&flag_of(s)->status.kind)[0] != detail::kRouteOk) bad_sender = s;
+        p.ws.state->rejected = bad_sender >= 0 ? 1 : 0;
+        p.ws.state->num_rows = at;
+        volatile HostRecord* r = p.record;
         r->num_rows = at;
         r->bad_sender = bad_sender;
         if (bad_sender >= 0) {
-            const RouteStatus b = disp_flag(p.my_region, sh, bad_sender, parity)->status;
+            const RouteStatus b = flag_of(bad_sender)->status;
             r->bad.kind = b.kind;
             r->bad.token = b.token;
             r->bad.k = b.k;
@@ -450,52 +450,57 @@ __global__ void __launch_bounds__(256) exchange_kernel(DispatchParams p) {
 }
 
 // The received messages of this rank, in (sender, slot) order: message i is slot i - start[s] of
-// sender s, where start[s] <= i < start[s + 1]. One thread of each block fills `start`.
-__device__ __forceinline__ int fill_message_starts(int32_t* start, const Shape& sh, const int32_t* recv_count) {
-    if (threadIdx.x == 0) {
-        int32_t at = 0;
-        for (int s = 0; s < sh.num_ranks; ++s) {
-            start[s] = at;
-            at += recv_count[s];
-        }
-        start[sh.num_ranks] = at;
-    }
+// sender s, where start[s] <= i < start[s + 1]. Each block copies the exchange's scan into shared
+// memory (`start`, R + 1 entries) and returns the number of messages.
+__device__ __forceinline__ int load_message_starts(int32_t* start, const Shape& sh, const int32_t* msg_start) {
+    for (int s = threadIdx.x; s <= sh.num_ranks; s += blockDim.x) start[s] = msg_start[s];
     __syncthreads();
     return start[sh.num_ranks];
 }
 
+// The global slot (s * C + j) of message i and its sender s: the largest s with start[s] <= i
+// (senders with no messages repeat their successor's start, so the largest one holds i).
 __device__ __forceinline__ int64_t message_slot(const int32_t* start, const Shape& sh, int i, int& sender) {
-    int s = 0;
-    while (start[s + 1] <= i) ++s;
-    sender = s;
-    return int64_t{s} * sh.capacity + (i - start[s]);
+    int lo = 0, hi = sh.num_ranks;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (start[mid] <= i)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    sender = lo;
+    return int64_t{lo} * sh.capacity + (i - start[lo]);
 }
 
-__global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
-    const Shape& sh = p.sh;
-    __shared__ int64_t expand_rows[kWarps][32];
-    __shared__ int32_t msg_start[kMaxRanksDevice + 1];
-    if (p.ws.state[0] != 0 || p.ws.state[1] != 0) return;
-    const int lane = threadIdx.x & 31;
+template <class Team, bool kFP8, bool kContiguous>
+__global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams<Team> p) {
+    const Shape& sh = p.shape;
+    const RegionLayout& region = p.region;
+    __shared__ int64_t expand_rows[kWarps][kMaxTopk];
+    __shared__ int32_t msg_start[kMaxRanks + 1];
+    if (p.ws.state->timed_out != 0 || p.ws.state->rejected != 0) return;
+    const int lane = lane_id();
+    const int rank = p.team.rank();
     const int warps_total = gridDim.x * kWarps;
     const MessageLayout& m = sh.msg;
-    const int64_t rc = int64_t{sh.num_ranks} * sh.capacity;
-    const int row_bytes = sh.hidden * (p.fp8 ? 1 : 2);
-    const uint8_t* slots = p.my_region + sh.region.disp_slots;
-    const int32_t* route_pos = reinterpret_cast<const int32_t*>(p.my_region + sh.region.route_pos);
+    const int64_t rc = sh.slots();
+    const int row_bytes = sh.hidden * (kFP8 ? 1 : 2);
+    const uint8_t* mine = p.team.self();
+    const ScaleStrides& sst = p.recv_scale_strides;
     // work items: RowSlice over the received messages
-    const int num_msgs = fill_message_starts(msg_start, sh, p.ws.recv_count);
+    const int num_msgs = load_message_starts(msg_start, sh, p.ws.msg_start);
     const int row_chunks = row_bytes / 16;
     const int iters = (row_chunks + 127) / 128;
     const int slices = row_slices(num_msgs, iters, warps_total);
     const int64_t items = int64_t{num_msgs} * slices;
-    for (int64_t item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < items; item += warps_total) {
+    for (int64_t item = blockIdx.x * kWarps + warp_id(); item < items; item += warps_total) {
         const RowSlice slice = row_slice(item, slices, iters);
         const int it0 = slice.begin, it1 = slice.end;
         const bool first = slice.first;
         int s = 0;
         const int64_t g = message_slot(msg_start, sh, slice.row, s);
-        const uint8_t* msg = slots + g * m.bytes;
+        const uint8_t* msg = mine + region.message(g);
         const bool active = lane < sh.num_topk;
         int32_t v = -1;
         float w = 0.0f;
@@ -505,24 +510,41 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
             w = __ldcg(reinterpret_cast<const float*>(msg + m.weight_offset) + lane);
         }
         src_t = __ldcg(reinterpret_cast<const int32_t*>(msg + m.src_offset));
-        const bool local = v >= 0 && v / sh.e_local == sh.rank;
-        const int l = local ? v % sh.e_local : 0;
+        // checked on receipt (protocol.hpp, "Peer data"): the source token, every expert id, and the
+        // position of every local route inside the sender's share of its expert; a bad one is dropped
+        const bool token_ok = src_t >= 0 && src_t < sh.capacity;
+        const bool id_ok = !active || (v >= -1 && v < sh.num_experts);
+        if (first && lane == 0 && !token_ok)
+            record_peer_fault(p.ws, p.record, detail::kPeerToken, s, kPhaseDispatch, src_t, sh.capacity);
+        if (first && !id_ok)
+            record_peer_fault(p.ws, p.record, detail::kPeerExpertId, s, kPhaseDispatch, v, sh.num_experts);
+        bool local = token_ok && id_ok && v >= 0 && v / sh.num_local_experts == rank;
+        const int l = local ? v % sh.num_local_experts : 0;
         int64_t pos = 0, row = -1;
         if (local) {
-            pos = __ldcg(route_pos + g * sh.num_topk + lane) + p.ws.base[s * sh.e_local + l];
-            row = p.contiguous ? p.ws.start[l] + pos : l * rc + pos;
-            if (first) {
-                p.rw[row] = w;
-                p.rs[row] = static_cast<int32_t>(s * sh.capacity + src_t);
-                if (p.mi) p.mi[row] = l;
+            const int32_t sent_pos = __ldcg(RegionLayout::at<int32_t>(mine, region.route_pos_row(g)) + lane);
+            const int32_t base = p.ws.expert_base[s * sh.num_local_experts + l];
+            const int32_t share =
+                (s + 1 < sh.num_ranks ? p.ws.expert_base[(s + 1) * sh.num_local_experts + l] : p.ws.counts[l]) - base;
+            if (sent_pos < 0 || sent_pos >= share) {
+                if (first) record_peer_fault(p.ws, p.record, detail::kPeerPosition, s, kPhaseDispatch, sent_pos, share);
+                local = false;
+            } else {
+                pos = sent_pos + base;
+                row = kContiguous ? p.ws.offsets[l] + pos : l * rc + pos;
+                if (first) {
+                    p.recv_weights[row] = w;
+                    p.recv_src[row] = static_cast<int32_t>(s * sh.capacity + src_t);
+                    if constexpr (kContiguous) p.m_indices[row] = l;
+                }
             }
         }
         if (active && first) p.ws.recv_rows[g * sh.num_topk + lane] = static_cast<int32_t>(row);
-        const unsigned locals = __ballot_sync(0xffffffffu, local);
+        const unsigned locals = __ballot_sync(kFullMask, local);
         const int num_local = __popc(locals);
         // rows of the local routes, k ascending, for the whole warp
-        int64_t* rows = expand_rows[threadIdx.x >> 5];
-        if (local) rows[__popc(locals & ((1u << lane) - 1u))] = row;
+        int64_t* rows = expand_rows[warp_id()];
+        if (local) rows[__popc(locals & lanes_below(lane))] = row;
         __syncwarp();
         // 4 loads in flight per lane before their stores
         for (int c0 = it0 * 128 + lane; c0 < min(row_chunks, it1 * 128); c0 += 128) {
@@ -534,43 +556,47 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
             for (int i = 0; i < num_local; ++i)
 #pragma unroll
                 for (int u = 0; u < 4; ++u)
-                    if (c0 + 32 * u < row_chunks) reinterpret_cast<uint4*>(p.rx + rows[i] * row_bytes)[c0 + 32 * u] = val[u];
+                    if (c0 + 32 * u < row_chunks)
+                        reinterpret_cast<uint4*>(p.recv_x + rows[i] * row_bytes)[c0 + 32 * u] = val[u];
         }
-        if (p.scale_cols > 0 && first) {
+        if (kFP8 && first) {
             for (unsigned lm = locals; lm; lm &= lm - 1) {
                 const int k = __ffs(lm) - 1;
-                const int64_t r = __shfl_sync(0xffffffffu, row, k);
-                const int64_t ps = __shfl_sync(0xffffffffu, pos, k);
-                const int ll = __shfl_sync(0xffffffffu, l, k);
-                for (int c = lane; c < p.scale_cols; c += 32) {
+                const int64_t r = __shfl_sync(kFullMask, row, k);
+                const int64_t ps = __shfl_sync(kFullMask, pos, k);
+                const int ll = __shfl_sync(kFullMask, l, k);
+                for (int c = lane; c < p.scale_columns; c += 32) {
                     const uint32_t word = __ldcg(reinterpret_cast<const uint32_t*>(msg + m.payload_bytes) + c);
-                    const int64_t at = p.contiguous ? r * p.sst0 + c * p.sst1 : ll * p.sst0 + ps * p.sst1 + c * p.sst2;
-                    p.rsc[at] = word;
+                    const int64_t at =
+                        kContiguous ? r * sst.row + c * sst.column : ll * sst.expert + ps * sst.row + c * sst.column;
+                    p.recv_scales[at] = word;
                 }
             }
         }
         __syncwarp();
     }
     // padding rows
-    const int64_t total = p.contiguous ? p.rows_out : int64_t{sh.e_local} * rc;
-    const int64_t m_rows = p.ws.state[2];
+    const int64_t total = kContiguous ? p.num_rows_out : int64_t{sh.num_local_experts} * rc;
+    const int64_t m_rows = p.ws.state->num_rows;
     for (int64_t r = blockIdx.x * int64_t{kThreads} + threadIdx.x; r < total; r += int64_t{gridDim.x} * kThreads) {
         int64_t l, pos;
         bool pad;
-        if (p.contiguous) {
+        if constexpr (kContiguous) {
             if (r >= m_rows) {
                 pad = true;
                 l = 0;
                 pos = 0;
             } else {
-                int lo = 0, hi = sh.e_local;  // largest l with start[l] <= r
+                int lo = 0, hi = sh.num_local_experts;  // largest l with offsets[l] <= r
                 while (hi - lo > 1) {
                     const int mid = (lo + hi) / 2;
-                    if (p.ws.start[mid] <= r) lo = mid;
-                    else hi = mid;
+                    if (p.ws.offsets[mid] <= r)
+                        lo = mid;
+                    else
+                        hi = mid;
                 }
                 l = lo;
-                pos = r - p.ws.start[l];
+                pos = r - p.ws.offsets[l];
                 pad = pos >= p.ws.counts[l];
             }
         } else {
@@ -579,16 +605,18 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams p) {
             pad = pos >= p.ws.counts[l];
         }
         if (!pad) continue;
-        p.rw[r] = 0.0f;
-        p.rs[r] = -1;
-        if (p.mi) p.mi[r] = -1;
+        p.recv_weights[r] = 0.0f;
+        p.recv_src[r] = -1;
+        if constexpr (kContiguous) p.m_indices[r] = -1;
         if (p.zero_padding) {
-            uint4* dst = reinterpret_cast<uint4*>(p.rx + r * row_bytes);
+            uint4* dst = reinterpret_cast<uint4*>(p.recv_x + r * row_bytes);
             for (int c = 0; c < row_bytes / 16; ++c) dst[c] = make_uint4(0, 0, 0, 0);
-            for (int c = 0; c < p.scale_cols; ++c) {
-                const int64_t at = p.contiguous ? r * p.sst0 + c * p.sst1 : l * p.sst0 + pos * p.sst1 + c * p.sst2;
-                p.rsc[at] = 0;
-            }
+            if constexpr (kFP8)
+                for (int c = 0; c < p.scale_columns; ++c) {
+                    const int64_t at =
+                        kContiguous ? r * sst.row + c * sst.column : l * sst.expert + pos * sst.row + c * sst.column;
+                    p.recv_scales[at] = 0;
+                }
         }
     }
 }

@@ -1,74 +1,22 @@
-// Plain-integer description of one rank's symmetric region and workspace, shared by the host
-// (sizing, allocation) and the kernels (addressing).
-//
-// Symmetric region of receiver d (peers write into it):
-//   disp_slots   [R senders][C][msg.bytes]   messages, one per (sender, token) routed to d
-//   route_pos    [R][C][K] int32             per route: position among the sender's routes to
-//                                            the same local expert (t ascending); -1 elsewhere
-//   disp_flags   [R][2 parity] DispFlag      count + status, epoch published last (release.sys)
-//   disp_ecounts [R][2][E_local] int32       per local expert: the sender's route count
-//   comb_slots   [R holders][C][H] bf16      combine partials for d's own tokens
-//   comb_flags   [R] uint64                  holder's combine epoch
+// The arguments of the intranode kernels, in two parts (the split of DeepEP's elastic Args):
+//   Templated arguments: what changes the code a kernel runs (payload and its quantization, top-k
+//     index width, layout, weighting, bias), kernel template parameters chosen from runtime values by
+//     with_constants (src/kernels/common/static_switch.hpp), so dead branches leave the kernels. The
+//     transport is one too: every kernel is a template over its Team (src/transport/nvlink_team.cuh).
+//   Parameters: everything else, one plain struct passed by value. CallParams is what every kernel of
+//     a call needs; DispatchParams / CombineParams add the call's tensors and options.
+// Layouts and offsets: src/kernels/common/buffer_layout.hpp.
 #pragma once
 
 #include <cstdint>
 
-#include "core/layout.hpp"
+#include "core/limits.hpp"
+#include "kernels/common/buffer_layout.hpp"
 #include "kernels/common/protocol.cuh"
+#include "kernels/common/static_switch.hpp"
+#include "transport/nvlink_team.cuh"
 
 namespace elasticep::kernels {
-
-struct DispFlag {
-    uint64_t epoch;
-    int64_t count;
-    RouteStatus status;
-    uint64_t pad[2];
-};
-static_assert(sizeof(DispFlag) == 64, "DispFlag is one 64-byte line");
-
-struct RegionLayout {
-    int64_t disp_slots = 0, route_pos = 0, disp_flags = 0, disp_ecounts = 0, comb_slots = 0, comb_flags = 0;
-    int64_t bytes = 0;
-
-    ELASTICEP_HD static RegionLayout make(int r, int c, int k, int e_local, int h, int msg_bytes) {
-        RegionLayout g;
-        int64_t at = 0;
-        auto take = [&at](int64_t n) {
-            const int64_t o = at;
-            at = round_up(at + n, 256);
-            return o;
-        };
-        const int64_t slots = int64_t{r} * c;
-        g.disp_slots = take(slots * msg_bytes);
-        g.route_pos = take(slots * k * 4);
-        g.disp_flags = take(int64_t{r} * 2 * 64);
-        g.disp_ecounts = take(int64_t{r} * 2 * e_local * 4);
-        g.comb_slots = take(slots * h * 2);
-        g.comb_flags = take(int64_t{r} * 8);
-        g.bytes = at;
-        return g;
-    }
-};
-
-// Local workspace of one rank (device memory, only this rank touches it).
-struct Workspace {
-    int32_t* pos_in_expert;  // [C][K]
-    int32_t* slot_of;        // [C][R]
-    int32_t* clean_idx;      // [C][K]
-    int32_t* expert_count;   // [E]
-    int32_t* dest_count;     // [R]
-    RouteStatus* status;     // [1]
-    unsigned long long* bad_key;  // [1] first invalid route t*32+k (~0: none); reset by the exchange
-    uint64_t* epoch;         // [1]
-    int32_t* state;          // [0] aborted (timeout), [1] rejected (bad status), [2] M, [3] sticky seen
-    int32_t* recv_count;     // [R]
-    int32_t* base;           // [R][E_local]
-    int32_t* counts;         // [E_local]
-    int32_t* start;          // [E_local + 1] (the offsets output)
-    int32_t* recv_rows;      // [R*C][K]
-    int64_t* load;           // [E_local]
-    uint8_t** peers;         // [R] region base of every rank, as this rank addresses it
-};
 
 // How a call meets its peers. kDevice: one kernel publishes, then waits on the device (bounded).
 // Ranks of one process that share a GPU cannot rely on that: CUDA may serialise their streams (they
@@ -77,58 +25,79 @@ struct Workspace {
 // (kPublishOnly), the host waits on the flags (bounded), then a kWaitOnly launch finds them set.
 enum SyncMode : int32_t { kDevice = 0, kPublishOnly = 1, kWaitOnly = 2 };
 
-struct Shape {
-    int rank, num_ranks, num_experts, e_local, num_topk, hidden, capacity;
-    MessageLayout msg;
-    RegionLayout region;
+// ---- templated arguments ---------------------------------------------------------------------
+
+// What the send kernel puts into a message's payload.
+enum class SendPayload : int32_t {
+    kBF16,          // bf16 rows moved as is
+    kFP8Copy,       // pre-quantized fp8 rows and their scale words moved as is
+    kFP8F32G128,    // bf16 quantized in the kernel, one fp32 scale per 128 channels
+    kFP8UE8M0G128,  // ... one power-of-two (UE8M0 byte) scale per 128 channels
+    kFP8UE8M0G32,   // ... per 32 channels (MXFP8)
 };
 
-// What every kernel of a call needs: the shapes, this rank's workspace and region, its host record,
-// the wait bound, how the call meets its peers, and this rank's token count.
+constexpr bool payload_is_fp8(SendPayload p) { return p != SendPayload::kBF16; }
+constexpr bool payload_quantizes(SendPayload p) { return p != SendPayload::kBF16 && p != SendPayload::kFP8Copy; }
+constexpr bool payload_f32_scales(SendPayload p) { return p == SendPayload::kFP8F32G128; }
+constexpr int payload_scale_group(SendPayload p) { return p == SendPayload::kFP8UE8M0G32 ? 32 : 128; }
+
+using SendPayloadChoice = Choice<SendPayload, SendPayload::kBF16, SendPayload::kFP8Copy, SendPayload::kFP8F32G128,
+                                 SendPayload::kFP8UE8M0G128, SendPayload::kFP8UE8M0G32>;
+
+// ---- parameters ------------------------------------------------------------------------------
+
+// Element strides of recv_scales: masked [E_local][R*C][cols] uses all three, contiguous [rows][cols]
+// uses row and column (row-major or MN-major alike).
+struct ScaleStrides {
+    int64_t expert, row, column;
+};
+
+template <class Team>
 struct CallParams {
-    Shape sh;
-    Workspace ws;
-    uint8_t* my_region;
-    HostRecord* rec;
-    uint64_t timeout_ns;
-    int32_t sync_mode;
-    int num_tokens;
+    Team team;  // this rank and its peers' windows
+    Shape shape;
+    RegionLayout region;  // offsets inside every rank's window
+    Workspace ws;         // this rank's scratch
+    HostRecord* record;   // host-mapped (device pointer)
+    uint64_t timeout_ns;  // bound on every wait for a peer
+    int32_t sync_mode;    // SyncMode
+    int32_t num_tokens;   // T of this rank
 };
 
-struct DispatchParams : CallParams {
-    // inputs
-    const void* x;
-    int64_t x_stride;  // elements
-    bool x_aligned;    // 16-byte loads allowed
-    const uint32_t* x_scales;
-    int64_t xs_stride;  // words
-    const void* idx;
-    int64_t idx_stride;
-    bool idx64;
-    const float* weights;
-    int64_t w_stride;
-    // payload
-    bool fp8, quantize, prequantized, f32_scales;
-    int group, num_groups, scale_cols;
-    // layout
-    bool contiguous, host_sync, zero_padding;
-    int alignment;
-    int64_t rows_out;
-    uint8_t* rx;
-    uint32_t* rsc;
-    int64_t sst0, sst1, sst2;
-    float* rw;
-    int32_t* rs;
-    int32_t* mi;
+template <class Team>
+struct DispatchParams : CallParams<Team> {
+    // this rank's inputs (row strides in elements)
+    const void* x;  // [T, H] bf16, or fp8 when pre-quantized
+    int64_t x_row_stride;
+    bool x_aligned;            // rows start 16-byte aligned: vector loads allowed
+    const uint32_t* x_scales;  // pre-quantized fp8: [T, scale_columns] words
+    int64_t x_scales_row_stride;
+    const void* topk_idx;  // [T, K] int32 or int64 (templated: kIdx64)
+    int64_t topk_idx_row_stride;
+    const float* topk_weights;  // [T, K] or null
+    int64_t topk_weights_row_stride;
+    // payload (templated: SendPayload)
+    int scale_columns;  // stored scale words per row (0 for bf16)
+    // layout (templated: kContiguous)
+    bool host_sync, zero_padding;
+    int expert_alignment;
+    int64_t num_rows_out;  // rows of the contiguous outputs (M with host sync, M_cap in graph mode)
+    // outputs
+    uint8_t* recv_x;
+    uint32_t* recv_scales;  // fp32 bits or packed UE8M0 words: 4 bytes either way
+    ScaleStrides recv_scale_strides;
+    float* recv_weights;
+    int32_t* recv_src;
+    int32_t* m_indices;  // contiguous layout only
 };
 
-struct CombineParams : CallParams {
-    const uint16_t* y;
-    bool weighted;
-    const uint16_t* bias;
-    int64_t bias_stride;
-    uint16_t* out;
-    int64_t out_stride;
+template <class Team>
+struct CombineParams : CallParams<Team> {
+    const uint16_t* y;     // [rows of the dispatch, H] bf16 (templated: kWeighted)
+    const uint16_t* bias;  // [T, H] bf16 or null (templated: kBias)
+    int64_t bias_row_stride;
+    uint16_t* out;  // [T, H] bf16
+    int64_t out_row_stride;
 };
 
 }  // namespace elasticep::kernels

@@ -13,12 +13,13 @@
 #include <cstdint>
 
 #include "core/hd.hpp"
+#include "core/limits.hpp"
 #include "core/numerics.hpp"
 
 namespace elasticep::kernels::moe {
 
-inline constexpr int kMaxLocalExperts = 1024;  // per-block tables in shared memory
-inline constexpr int kThreads = 256;           // threads per block of every adapter kernel
+using ::elasticep::kMaxLocalExperts;  // core/limits.hpp: per-block tables in shared memory
+inline constexpr int kThreads = 256;  // threads per block of every adapter kernel
 inline constexpr int kWarps = kThreads / 32;
 
 // Fault bits (serving.hpp AdapterFault).

@@ -1,0 +1,39 @@
+// The combine kernels' instantiations and launchers (kernel_launch.hpp).
+#include "backends/cuda/kernel_launch.hpp"
+#include "kernels/common/cuda_check.hpp"
+#include "kernels/intranode/combine.cuh"
+
+namespace elasticep::detail::cuda {
+
+using kernels::BoolChoice;
+using kernels::with_constants;
+
+void launch_partial(const CombineParams& p, bool weighted, int grid, cudaStream_t stream) {
+    with_constants([&](auto w) { kernels::partial_kernel<Team, w()><<<grid, kernels::kThreads, 0, stream>>>(p); },
+                   BoolChoice{weighted});
+    ELASTICEP_CUDA_CHECK_LAUNCH();
+}
+
+void launch_publish(const CombineParams& p, cudaStream_t stream) {
+    kernels::publish_kernel<Team><<<1, kernels::kPublishThreads, 0, stream>>>(p);
+    ELASTICEP_CUDA_CHECK_LAUNCH();
+}
+
+void launch_reduce(const CombineParams& p, bool bias, int grid, cudaStream_t stream) {
+    with_constants([&](auto b) { kernels::reduce_kernel<Team, b()><<<grid, kernels::kThreads, 0, stream>>>(p); },
+                   BoolChoice{bias});
+    ELASTICEP_CUDA_CHECK_LAUNCH();
+}
+
+void load_combine_kernels() {
+    cudaFuncAttributes attr{};
+    ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::publish_kernel<Team>));
+    kernels::for_all_constants(
+        [&](auto flag) {
+            ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::partial_kernel<Team, flag()>));
+            ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::reduce_kernel<Team, flag()>));
+        },
+        BoolChoice{});
+}
+
+}  // namespace elasticep::detail::cuda

@@ -1,0 +1,64 @@
+// The dispatch kernels' instantiations and launchers (kernel_launch.hpp).
+#include "backends/cuda/kernel_launch.hpp"
+#include "kernels/common/cuda_check.hpp"
+#include "kernels/intranode/dispatch.cuh"
+
+namespace elasticep::detail::cuda {
+
+using kernels::BoolChoice;
+using kernels::SendPayloadChoice;
+using kernels::with_constants;
+
+void launch_plan(const DispatchParams& p, const DispatchModes& modes, cudaStream_t stream) {
+    const int grid = p.shape.num_experts + p.shape.num_ranks + kernels::kStatusBlocks;
+    with_constants([&](auto idx64) { kernels::plan_kernel<Team, idx64()><<<grid, kernels::kThreads, 0, stream>>>(p); },
+                   BoolChoice{modes.idx64});
+    ELASTICEP_CUDA_CHECK_LAUNCH();
+}
+
+void launch_send(const DispatchParams& p, const DispatchModes& modes, int grid, cudaStream_t stream) {
+    with_constants(
+        [&](auto payload, auto idx64) {
+            kernels::send_kernel<Team, payload(), idx64()><<<grid, kernels::kThreads, 0, stream>>>(p);
+        },
+        SendPayloadChoice{modes.payload}, BoolChoice{modes.idx64});
+    ELASTICEP_CUDA_CHECK_LAUNCH();
+}
+
+void launch_exchange(const DispatchParams& p, const DispatchModes& modes, cudaStream_t stream) {
+    with_constants(
+        [&](auto idx64) { kernels::exchange_kernel<Team, idx64()><<<1, kernels::kExchangeThreads, 0, stream>>>(p); },
+        BoolChoice{modes.idx64});
+    ELASTICEP_CUDA_CHECK_LAUNCH();
+}
+
+void launch_expand(const DispatchParams& p, const DispatchModes& modes, int grid, cudaStream_t stream) {
+    with_constants(
+        [&](auto fp8, auto contiguous) {
+            kernels::expand_kernel<Team, fp8(), contiguous()><<<grid, kernels::kThreads, 0, stream>>>(p);
+        },
+        BoolChoice{kernels::payload_is_fp8(modes.payload)}, BoolChoice{modes.contiguous});
+    ELASTICEP_CUDA_CHECK_LAUNCH();
+}
+
+void load_dispatch_kernels() {
+    cudaFuncAttributes attr{};
+    kernels::for_all_constants(
+        [&](auto idx64) {
+            ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::plan_kernel<Team, idx64()>));
+            ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::exchange_kernel<Team, idx64()>));
+        },
+        BoolChoice{});
+    kernels::for_all_constants(
+        [&](auto payload, auto idx64) {
+            ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::send_kernel<Team, payload(), idx64()>));
+        },
+        SendPayloadChoice{}, BoolChoice{});
+    kernels::for_all_constants(
+        [&](auto fp8, auto contiguous) {
+            ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::expand_kernel<Team, fp8(), contiguous()>));
+        },
+        BoolChoice{}, BoolChoice{});
+}
+
+}  // namespace elasticep::detail::cuda

@@ -1,0 +1,48 @@
+#include "backends/cuda/host_records.hpp"
+
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "kernels/common/cuda_check.hpp"
+
+namespace elasticep::detail::cuda {
+namespace {
+
+std::mutex g_mu;
+std::vector<kernels::HostRecord*> g_free;
+
+kernels::HostRecord* acquire() {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_free.empty()) {
+        constexpr int kChunk = 64;
+        kernels::HostRecord* chunk = nullptr;
+        ELASTICEP_CUDA_CALL(cudaHostAlloc(reinterpret_cast<void**>(&chunk), kChunk * sizeof(kernels::HostRecord),
+                                          cudaHostAllocMapped | cudaHostAllocPortable));
+        for (int i = kChunk - 1; i >= 0; --i) g_free.push_back(chunk + i);
+    }
+    kernels::HostRecord* r = g_free.back();
+    g_free.pop_back();
+    std::memset(static_cast<void*>(r), 0, sizeof(kernels::HostRecord));
+    return r;
+}
+
+void release(kernels::HostRecord* r) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_free.push_back(r);
+}
+
+}  // namespace
+
+HostRecordLease::HostRecordLease() : host_(acquire()) {
+    try {
+        ELASTICEP_CUDA_CALL(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_), host_, 0));
+    } catch (...) {
+        release(host_);
+        throw;
+    }
+}
+
+HostRecordLease::~HostRecordLease() { release(host_); }
+
+}  // namespace elasticep::detail::cuda

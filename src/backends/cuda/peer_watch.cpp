@@ -1,0 +1,124 @@
+#include "backends/cuda/peer_watch.hpp"
+
+#include <thread>
+#include <vector>
+
+#include "core/check.hpp"
+#include "core/protocol.hpp"
+#include "kernels/common/cuda_check.hpp"
+
+namespace elasticep::detail::cuda {
+namespace {
+
+constexpr size_t kDiagnosedPeers = 64;  // per-peer epochs listed in a diagnosis, then a count
+
+}  // namespace
+
+PeerWatch::PeerWatch(int rank, int num_ranks, std::chrono::milliseconds timeout, const kernels::RegionLayout& region,
+                     const transport::SymmetricMemory& window, kernels::HostRecord* record,
+                     const kernels::Workspace& ws, cudaStream_t own_stream)
+    : rank_(rank),
+      num_ranks_(num_ranks),
+      timeout_(timeout),
+      region_(region),
+      window_(window),
+      record_(record),
+      ws_(ws),
+      own_stream_(own_stream) {}
+
+bool PeerWatch::timed_out() const {
+    return reinterpret_cast<const volatile int32_t*>(&record_->timeout_phase)[0] != kPhaseNone;
+}
+
+void PeerWatch::raise_if_timed_out() {
+    if (!timed_out()) return;
+    const volatile kernels::HostRecord* r = record_;
+    const MissingPeers missing = const_cast<const MissingPeers&>(r->timeout_missing);
+    raise(ErrorCode::kTimeout,
+          timeout_message(r->timeout_phase, rank_, timeout_.count(), missing, r->timeout_expected) + ". " + diagnose());
+}
+
+void PeerWatch::raise_if_peer_fault() const {
+    const volatile detail::PeerFault* f = &record_->peer_fault;
+    if (f->kind == kPeerOk) return;
+    const PeerFault fault{f->kind, f->sender, f->phase, 0, f->value, f->limit};
+    raise(ErrorCode::kInternal, peer_fault_message(fault, rank_));
+}
+
+void PeerWatch::host_wait(cudaStream_t call_stream, int32_t phase) {
+    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(call_stream));
+    uint64_t dev_epoch = 0;
+    int32_t aborted = 0;
+    ELASTICEP_CUDA_CALL(cudaMemcpyAsync(&dev_epoch, ws_.epoch, sizeof(dev_epoch), cudaMemcpyDeviceToHost, own_stream_));
+    ELASTICEP_CUDA_CALL(
+        cudaMemcpyAsync(&aborted, &ws_.state->timed_out, sizeof(aborted), cudaMemcpyDeviceToHost, own_stream_));
+    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+    if (phase == kPhaseCombine && aborted) return;  // the dispatch timed out: nothing was published
+    const uint64_t epoch = phase == kPhaseDispatch ? dev_epoch + 1 : dev_epoch;
+    const size_t r = static_cast<size_t>(num_ranks_);
+    const uint8_t* base = window_.local();
+    std::vector<kernels::DispatchFlag> disp(phase == kPhaseDispatch ? 2 * r : 0);
+    std::vector<uint64_t> comb(phase == kPhaseCombine ? r : 0);
+    const auto start = std::chrono::steady_clock::now();
+    for (int spins = 0;; ++spins) {
+        if (phase == kPhaseDispatch)
+            ELASTICEP_CUDA_CALL(cudaMemcpyAsync(disp.data(), base + region_.dispatch_flags,
+                                                disp.size() * sizeof(disp[0]), cudaMemcpyDeviceToHost, own_stream_));
+        else
+            ELASTICEP_CUDA_CALL(cudaMemcpyAsync(comb.data(), base + region_.combine_flags, r * sizeof(comb[0]),
+                                                cudaMemcpyDeviceToHost, own_stream_));
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+        const MissingPeers missing = scan_missing(
+            [&](int q) {
+                const size_t i = static_cast<size_t>(q);
+                return phase == kPhaseDispatch ? disp[2 * i + (epoch & 1)].epoch : comb[i];
+            },
+            num_ranks_, epoch);
+        if (missing.count == 0) return;
+        if (std::chrono::steady_clock::now() - start > timeout_) {
+            if (!timed_out()) {
+                record_->timeout_missing = missing;
+                record_->timeout_expected = epoch;
+                reinterpret_cast<volatile int32_t*>(&record_->timeout_phase)[0] = phase;
+            }
+            raise_if_timed_out();
+        }
+        if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+}
+
+std::string PeerWatch::diagnose() const {
+    const size_t r = static_cast<size_t>(num_ranks_);
+    std::vector<uint8_t*> table(r);
+    std::vector<kernels::DispatchFlag> disp(2 * r);
+    std::vector<uint64_t> comb(r);
+    const uint8_t* base = window_.local();
+    const std::vector<uint8_t*>& windows = window_.windows();
+    if (cudaMemcpy(table.data(), window_.device_windows(), r * sizeof(uint8_t*), cudaMemcpyDeviceToHost) !=
+            cudaSuccess ||
+        cudaMemcpy(disp.data(), base + region_.dispatch_flags, disp.size() * sizeof(disp[0]), cudaMemcpyDeviceToHost) !=
+            cudaSuccess ||
+        cudaMemcpy(comb.data(), base + region_.combine_flags, r * sizeof(comb[0]), cudaMemcpyDeviceToHost) !=
+            cudaSuccess) {
+        cudaGetLastError();
+        return "(no diagnosis: the device could not be read)";
+    }
+    std::string out = "Diagnosis: peer table ";
+    bool intact = true;
+    for (size_t p = 0; p < r; ++p)
+        if (table[p] != windows[p]) {
+            out += cat(intact ? "CORRUPT: " : ", ", "entry ", p, " is ", static_cast<void*>(table[p]), " not ",
+                       static_cast<void*>(windows[p]));
+            intact = false;
+        }
+    if (intact) out += "intact";
+    const size_t listed = r < kDiagnosedPeers ? r : kDiagnosedPeers;
+    const std::string more = r > listed ? cat(" (", r - listed, " more)") : "";
+    out += "; dispatch epochs here per sender (even/odd slot):";
+    for (size_t p = 0; p < listed; ++p) out += cat(" ", p, ":", disp[2 * p].epoch, "/", disp[2 * p + 1].epoch);
+    out += more + "; combine epochs here per holder:";
+    for (size_t p = 0; p < listed; ++p) out += cat(" ", p, ":", comb[p]);
+    return out + more;
+}
+
+}  // namespace elasticep::detail::cuda

@@ -1,0 +1,57 @@
+// Waiting for peers on the host, and reporting every timeout and peer fault. Shares the device wait's logic and
+// texts (src/core/protocol.hpp: scan_missing, timeout_message) and writes the same HostRecord fields,
+// so a timeout reads the same whichever side detected it.
+//
+// Host waits (LaunchConfig::host_waits): ranks of one process that share a GPU cannot rely on their
+// kernels running at the same time, so the meeting kernel runs twice, publish only and wait only, and
+// this rank polls the flags in its own window in between, bounded by the buffer's timeout. Reads go
+// through the buffer's own non-blocking stream, which no peer's kernel waits on.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <chrono>
+#include <string>
+
+#include "kernels/common/buffer_layout.hpp"
+#include "transport/symmetric_memory.hpp"
+
+namespace elasticep::detail::cuda {
+
+class PeerWatch {
+ public:
+    PeerWatch(int rank, int num_ranks, std::chrono::milliseconds timeout, const kernels::RegionLayout& region,
+              const transport::SymmetricMemory& window, kernels::HostRecord* record, const kernels::Workspace& ws,
+              cudaStream_t own_stream);
+
+    // After this rank's publish ran on `call_stream`: waits until every peer's flag of the call in
+    // `phase` is in this rank's window; raises Timeout (recorded as the device wait records it).
+    void host_wait(cudaStream_t call_stream, int32_t phase);
+
+    bool timed_out() const;
+    // Raises Timeout when a wait (device or host) of this buffer has expired.
+    void raise_if_timed_out();
+    // Raises Internal when a peer's datum failed its check on receipt (sticky: the buffer is unusable).
+    void raise_if_peer_fault() const;
+    // Both, timeouts first: what every call checks before it starts and after it synchronised.
+    void raise_faults() {
+        raise_if_timed_out();
+        raise_if_peer_fault();
+    }
+
+ private:
+    // What this rank sees after a timeout: whether the device copy of the peer table is intact, and
+    // every sender's flags in this rank's window (read on the legacy stream, which does not wait for
+    // the ranks' non-blocking streams).
+    std::string diagnose() const;
+
+    int rank_, num_ranks_;
+    std::chrono::milliseconds timeout_;
+    kernels::RegionLayout region_;
+    const transport::SymmetricMemory& window_;
+    kernels::HostRecord* record_;
+    kernels::Workspace ws_;
+    cudaStream_t own_stream_;
+};
+
+}  // namespace elasticep::detail::cuda

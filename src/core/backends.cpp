@@ -1,0 +1,42 @@
+// Backend selection: one table keyed by (backend, topology). A backend implements a topology by
+// adding a row here (the issue "Hybrid topology" adds the hybrid rows); a pair without a row is
+// refused with Unsupported before anything is allocated.
+#include "core/backend.hpp"
+#include "core/check.hpp"
+
+namespace elasticep::detail {
+namespace {
+
+struct BackendEntry {
+    BackendKind kind;
+    Topology topology;
+    std::unique_ptr<BackendBuffer> (*make)(const BackendContext&);
+    size_t (*reservation_bytes)(const BufferConfig&, int);
+};
+
+constexpr BackendEntry kBackends[] = {
+    {BackendKind::kCPU, Topology::kDirect, make_cpu_backend, cpu_reservation_bytes},
+    {BackendKind::kCUDA, Topology::kDirect, make_cuda_backend, cuda_reservation_bytes},
+};
+
+const BackendEntry& find_backend(BackendKind kind, Topology topology) {
+    for (const BackendEntry& e : kBackends)
+        if (e.kind == kind && e.topology == topology) return e;
+    if (topology == Topology::kHybrid)
+        raise(ErrorCode::kUnsupported, cat("topology=hybrid is not implemented yet (backend ", backend_name(kind),
+                                           "); build the buffer with topology=direct"));
+    raise(ErrorCode::kUnsupported,
+          cat("the ", backend_name(kind), " backend does not implement topology=", topology_name(topology)));
+}
+
+}  // namespace
+
+std::unique_ptr<BackendBuffer> make_backend(BackendKind kind, Topology topology, const BackendContext& ctx) {
+    return find_backend(kind, topology).make(ctx);
+}
+
+size_t backend_reservation_bytes(BackendKind kind, Topology topology, const BufferConfig& config, int num_ranks) {
+    return find_backend(kind, topology).reservation_bytes(config, num_ranks);
+}
+
+}  // namespace elasticep::detail

@@ -1,0 +1,196 @@
+// The dispatch/combine protocol, written once for every backend. A backend keeps only how bytes
+// move (host memcpy over a shared arena, NVLink stores from kernels, later a network); what is
+// sent, in which order, what a flag means, how a bad route travels and what an error says are here.
+//
+// Calls and epochs. A buffer numbers its dispatches 1, 2, ...: dispatch n and the combine of its
+// handle both carry epoch n. Strict alternation (SEMANTICS.md) means at most one epoch is in flight.
+//
+// Dispatch, epoch n, sender s, receiver d (every pair, s == d included):
+//   1. s writes every token routed to d once, as one message (message_layout below), into d's slot
+//      region at [s][j], j = the token's rank among s's tokens for d (t ascending).
+//   2. s writes d's dispatch flag [s][n % 2]: the message count and s's route status, and LAST the
+//      epoch n with release ordering (nothing of 1-2 may be visible after the epoch).
+//   3. d waits (bounded) until every sender's flag [s][n % 2] has epoch >= n (acquire), then reads
+//      counts, statuses and messages. Two parities: a sender already at n + 1 never overwrites the
+//      flag a slow receiver still reads for n.
+//   4. A bad route status from any sender fails the call on every rank alike (host sync), naming
+//      the lowest such sender's first bad route.
+// Combine, epoch n, expert holder d, origin s:
+//   5. d forms one bf16 partial per received message (the token's routes to d, k ascending) and
+//      writes it into s's combine slot [d][t], then releases s's combine flag [d] = n.
+//   6. s waits (bounded) until every holder's flag reached n, then reduces in first-k destination
+//      order (SEMANTICS.md, "Combine").
+// Slot reuse. Before writing epoch n + 1 into d's slots, s must know d has read epoch n. A combine
+// that completed on s implies it (every d published after reading). The CPU backend additionally
+// waits on a per-receiver "read" epoch, so a combine rejected by its argument checks on every rank
+// cannot let a fast rank overwrite slots a slow rank still reads.
+// Waits. Every wait on a peer is bounded by the buffer's timeout; on expiry the call fails with
+// timeout_message() and the buffer is unusable until rebuilt.
+//
+// Route status (one state machine, decide_route_status): each rank validates its own top-k rows; the
+// first invalid route (token-major) is its status. host_sync: publish it (or a sticky fault left by an
+// earlier graph-mode call, which is then cleared) so every rank fails. Graph mode: publish nothing,
+// drop the bad routes, and keep the first one as this rank's sticky fault until check() or the next
+// host-sync dispatch reports it.
+//
+// Peer data. A receiver trusts nothing a peer wrote as a bound: counts, per-expert counts, row
+// positions, expert ids and source tokens are checked on receipt; a bad value is dropped and becomes a
+// sticky peer fault naming the sender (peer_fault_message), never a write outside the reservation.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/hd.hpp"
+#include "core/layout.hpp"
+#include "core/limits.hpp"
+#include "elasticep/config.hpp"
+
+namespace elasticep::detail {
+
+// ---------------------------------------------------------------------------------------------
+// Phases
+
+enum Phase : int32_t { kPhaseNone = 0, kPhaseDispatch = 1, kPhaseCombine = 2 };
+
+inline const char* phase_name(int32_t phase) { return phase == kPhaseCombine ? "combine" : "dispatch"; }
+
+// ---------------------------------------------------------------------------------------------
+// Route status: plain data, the same bytes on the host, in device memory and inside a peer's flag
+// (no constructors, so it may live in __shared__ and in memset-initialised mapped memory).
+
+enum RouteFault : int32_t { kRouteOk = 0, kRouteOutOfRange = 1, kRouteRepeated = 2 };
+
+struct RouteStatus {
+    int32_t kind;    // RouteFault
+    int32_t token;   // t of the route
+    int32_t k;       // its top-k column
+    int32_t dup_of;  // kRouteRepeated: the earlier column holding the same id
+    int64_t value;   // the id as given
+    int32_t sticky;  // 1: a sticky fault of an earlier graph-mode call, reported now
+    int32_t pad;
+
+    ELASTICEP_HD bool any() const { return kind != kRouteOk; }
+};
+static_assert(sizeof(RouteStatus) == 32, "RouteStatus travels inside a peer's 64-byte dispatch flag");
+
+// A route's position in token-major order as one integer: the first invalid route of a call is the
+// minimum over all routes (the CUDA plan kernel takes it with atomicMin).
+ELASTICEP_HD unsigned long long route_key(int64_t token, int k) {
+    return static_cast<unsigned long long>(token) * kMaxTopk + static_cast<unsigned long long>(k);
+}
+ELASTICEP_HD int64_t route_key_token(unsigned long long key) { return static_cast<int64_t>(key / kMaxTopk); }
+ELASTICEP_HD int route_key_k(unsigned long long key) { return static_cast<int>(key % kMaxTopk); }
+inline constexpr unsigned long long kNoRouteKey = ~0ull;
+
+// What one rank's dispatch publishes and does to its sticky fault, given this call's first invalid
+// route. The only place the rules of the header comment are written down as code.
+struct RouteDecision {
+    RouteStatus publish;  // any(): the call fails on every rank
+    bool clear_sticky;    // the sticky fault is reported by this call
+    bool record_sticky;   // first_bad becomes the sticky fault
+};
+
+ELASTICEP_HD RouteDecision decide_route_status(bool host_sync, const RouteStatus& sticky,
+                                               const RouteStatus& first_bad) {
+    RouteDecision d{};
+    if (host_sync) {
+        if (sticky.any()) {
+            d.publish = sticky;
+            d.publish.sticky = 1;
+            d.clear_sticky = true;
+        } else {
+            d.publish = first_bad;
+            d.publish.sticky = 0;
+        }
+    } else {
+        d.record_sticky = first_bad.any() && !sticky.any();
+    }
+    return d;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peers not heard from: one scan shared by the device wait, the CUDA host wait and the CPU backend.
+
+struct MissingPeers {
+    int count;                  // peers whose epoch is below the expected one
+    int named[kMaxNamedPeers];  // the first of them, ascending
+    uint64_t observed;          // the lowest epoch seen among them (expected when none)
+};
+
+template <class SeenOf>
+ELASTICEP_HD MissingPeers scan_missing(SeenOf seen_of, int num_ranks, uint64_t expected) {
+    MissingPeers m{};
+    m.observed = expected;
+    for (int q = 0; q < num_ranks; ++q) {
+        const uint64_t seen = seen_of(q);
+        if (seen >= expected) continue;
+        if (m.count < kMaxNamedPeers) m.named[m.count] = q;
+        ++m.count;
+        m.observed = seen < m.observed ? seen : m.observed;
+    }
+    return m;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Peer data checked on receipt.
+
+enum PeerFaultKind : int32_t {
+    kPeerOk = 0,
+    kPeerCount = 1,        // a message count outside [0, C]
+    kPeerExpertCount = 2,  // a per-expert count outside [0, count], or their sum above count * min(K, E_local)
+    kPeerPosition = 3,     // a route's position outside its expert's count
+    kPeerExpertId = 4,     // an expert id outside [-1, E)
+    kPeerToken = 5,        // a source token outside [0, C)
+};
+
+struct PeerFault {
+    int32_t kind;    // PeerFaultKind
+    int32_t sender;  // the rank whose data was bad
+    int32_t phase;   // Phase
+    int32_t pad;
+    int64_t value;  // what it sent
+    int64_t limit;  // the bound it broke
+};
+
+// ---------------------------------------------------------------------------------------------
+// Sizes
+
+// One token on the wire (layout.hpp: payload, scales, top-k ids, weights, source token).
+MessageLayout message_layout(const BufferConfig& config);
+
+// The receive reservation every backend makes per rank, by part (bytes).
+struct Reservation {
+    int64_t dispatch_slots;  // R * C messages
+    int64_t combine_slots;   // R * C bf16 partial rows
+    int64_t combine_out;     // C bf16 rows of the buffer-owned combine output
+};
+
+// The arithmetic itself, for host sizing and the CUDA window layout alike.
+ELASTICEP_HD Reservation reservation_of(int num_ranks, int capacity, int hidden, int message_bytes) {
+    const int64_t slots = int64_t{num_ranks} * capacity;
+    return Reservation{slots * message_bytes, slots * hidden * 2, int64_t{capacity} * hidden * 2};
+}
+Reservation reservation(const BufferConfig& config, int num_ranks);
+
+// ---------------------------------------------------------------------------------------------
+// Error texts (one wording for every backend)
+
+// "invalid expert id at rank r, token t, k=k: value v is outside [-1, E) ..." / "... repeats k=j ...".
+std::string describe_bad_route(const RouteStatus& b, int rank, int num_experts);
+
+// check(), or any call that finds a sticky route fault: the text after the error code.
+std::string sticky_fault_message(const RouteStatus& b, int rank, int num_experts);
+
+// A host-sync dispatch that a rank's bad route status failed on every rank.
+std::string rejected_dispatch_message(const RouteStatus& b, int sender, int num_experts);
+
+// "dispatch: rank 0 waited 300 ms for rank(s) 2 (expected call #5, last seen #4); ..."
+std::string timeout_message(int32_t phase, int rank, int64_t timeout_ms, const MissingPeers& missing,
+                            uint64_t expected);
+
+// A peer's data that failed its check on receipt.
+std::string peer_fault_message(const PeerFault& f, int rank);
+
+}  // namespace elasticep::detail
