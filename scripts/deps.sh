@@ -7,7 +7,7 @@ set -euo pipefail
 need_pkgs=()
 have_pkg() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
 # clang-14 + libclang-rt-14-dev: scripts/ci-sanitize.sh (ASan/UBSan runtimes and libFuzzer).
-for p in g++ make cmake git python3 python3-pip libgtest-dev libcli11-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin \
+for p in g++ make cmake git python3 python3-pip clang-format libgtest-dev libcli11-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin \
     clang-14 libclang-rt-14-dev; do
     have_pkg "$p" || need_pkgs+=("$p")
 done

@@ -11,10 +11,10 @@
 #include <regex>
 
 #include "commands.hpp"
-#include "moe_layer.hpp"
 #include "elasticep/error.hpp"
 #include "elasticep/limits.hpp"
 #include "elasticep/version.hpp"
+#include "moe_layer.hpp"
 
 namespace elasticep::cli {
 

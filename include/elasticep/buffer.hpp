@@ -20,7 +20,7 @@ class BufferImpl;
 // What combine needs from the dispatch that made it. Single-use: combine consumes it.
 // Move-only; a moved-from or consumed handle is invalid.
 class Handle {
-   public:
+ public:
     Handle();
     ~Handle();
     Handle(Handle&&) noexcept;
@@ -32,7 +32,7 @@ class Handle {
     int num_sms() const;  // the SM count dispatch used; combine reuses it
     Layout layout() const;
 
-   private:
+ private:
     friend class detail::BufferImpl;
     explicit Handle(std::shared_ptr<detail::HandleState> state);
     std::shared_ptr<detail::HandleState> state_;
@@ -55,12 +55,12 @@ struct DispatchArgs {
     TensorRef topk_idx;                     // [T, K] int32 or int64, values in [-1, E)
     std::optional<TensorRef> topk_weights;  // [T, K] fp32; required for weighted combine
     Layout layout = Layout::kExpertContiguous;
-    int expert_alignment = 1;    // contiguous layout: segment start alignment A >= 1
-    bool host_sync = true;       // contiguous: false = graph mode (fixed M_cap rows, M on device)
-    bool zero_padding = false;   // zero padding rows' data and scales
+    int expert_alignment = 1;      // contiguous layout: segment start alignment A >= 1
+    bool host_sync = true;         // contiguous: false = graph mode (fixed M_cap rows, M on device)
+    bool zero_padding = false;     // zero padding rows' data and scales
     bool scales_mn_major = false;  // fp8: store recv scales column-major, row stride rounded to 4
-    DispatchOutputs outputs;     // optional caller-provided outputs
-    void* stream = nullptr;      // cudaStream_t for the CUDA backend; ignored on CPU
+    DispatchOutputs outputs;       // optional caller-provided outputs
+    void* stream = nullptr;        // cudaStream_t for the CUDA backend; ignored on CPU
 };
 
 // Buffer-owned tensors hold their values until the next dispatch on the same buffer, which rewrites
@@ -68,15 +68,15 @@ struct DispatchArgs {
 // the memory itself is never freed or moved while the buffer lives (docs/SEMANTICS.md).
 struct DispatchResult {
     Layout layout = Layout::kExpertContiguous;
-    TensorRef recv_x;                     // contiguous [M or M_cap, H]; masked [E_local, R*C, H]
+    TensorRef recv_x;                      // contiguous [M or M_cap, H]; masked [E_local, R*C, H]
     std::optional<TensorRef> recv_scales;  // fp8 only
-    TensorRef recv_weights;               // fp32, [M] or [E_local, R*C]
-    TensorRef recv_src;                   // int32 s*C+t, [M] or [E_local, R*C]; -1 on padding
-    TensorRef m_indices;                  // contiguous only: int32 [M], -1 on padding
-    TensorRef counts;                     // int32 [E_local] real rows per local expert
-    TensorRef offsets;                    // contiguous only: int32 [E_local + 1]
-    TensorRef masked_m;                   // masked only: int32 [E_local] (same memory as counts)
-    int64_t num_rows = -1;                // contiguous with host_sync: M; otherwise -1
+    TensorRef recv_weights;                // fp32, [M] or [E_local, R*C]
+    TensorRef recv_src;                    // int32 s*C+t, [M] or [E_local, R*C]; -1 on padding
+    TensorRef m_indices;                   // contiguous only: int32 [M], -1 on padding
+    TensorRef counts;                      // int32 [E_local] real rows per local expert
+    TensorRef offsets;                     // contiguous only: int32 [E_local + 1]
+    TensorRef masked_m;                    // masked only: int32 [E_local] (same memory as counts)
+    int64_t num_rows = -1;                 // contiguous with host_sync: M; otherwise -1
     Handle handle;
 };
 
@@ -96,7 +96,7 @@ struct CombineResult {
 // reset_expert_load entered while another runs on the same buffer raises InvalidArgument naming
 // the call in progress. Different buffers may be used from different threads at once.
 class Buffer {
-   public:
+ public:
     // Collective over `group`: every rank calls it with the same config. The ranks first agree that
     // every rank's arguments are valid (a rank that rejects its own makes every rank raise its
     // reason at once), then build, then agree that every rank built its part before any returns it.
@@ -134,7 +134,7 @@ class Buffer {
     int64_t max_contiguous_rows(int expert_alignment) const;
     std::shared_ptr<Group> group() const;
 
-   private:
+ private:
     friend class detail::BufferImpl;
     explicit Buffer(std::unique_ptr<detail::BufferImpl> impl);
     std::unique_ptr<detail::BufferImpl> impl_;

@@ -21,12 +21,12 @@ const char* error_code_name(ErrorCode code);
 // Every public call throws this (never exits, never asserts on user input).
 // what() is "[Code] message"; message() is the text without the code.
 class Error : public std::runtime_error {
-   public:
+ public:
     Error(ErrorCode code, const std::string& message);
     ErrorCode code() const noexcept { return code_; }
     const std::string& message() const noexcept { return message_; }
 
-   private:
+ private:
     ErrorCode code_;
     std::string message_;
 };

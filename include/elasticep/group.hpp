@@ -13,7 +13,7 @@ namespace elasticep {
 // Every rank calls each collective in the same order. Implementations bound their waits and
 // throw Error(kTimeout) instead of hanging.
 class Group {
-   public:
+ public:
     virtual ~Group() = default;
     virtual int rank() const = 0;
     virtual int size() const = 0;
@@ -35,7 +35,7 @@ class Group {
 // Ranks as threads of one process: create(n) returns one Group per rank; hand group[i] to the
 // thread that plays rank i. Collectives wait at most `timeout` for the other threads.
 class ThreadGroup {
-   public:
+ public:
     static std::vector<std::shared_ptr<Group>> create(int num_ranks,
                                                       std::chrono::milliseconds timeout = std::chrono::seconds(60));
 };

@@ -10,7 +10,7 @@
 namespace elasticep {
 
 class MpiGroup {
-   public:
+ public:
     // True when this build was compiled with MPI.
     static bool available();
     // MPI_COMM_WORLD (MPI_Init is called if nobody called it yet). Collectives poll non-blocking

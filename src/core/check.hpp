@@ -19,10 +19,11 @@ std::string cat(const Args&... args) {
 
 }  // namespace elasticep::detail
 
-#define ELASTICEP_CHECK(cond, code, ...)                                            \
-    do {                                                                            \
+#define ELASTICEP_CHECK(cond, code, ...)                                                        \
+    do {                                                                                        \
         if (!(cond)) ::elasticep::detail::raise((code), ::elasticep::detail::cat(__VA_ARGS__)); \
     } while (0)
 
 #define ELASTICEP_CHECK_ARG(cond, ...) ELASTICEP_CHECK(cond, ::elasticep::ErrorCode::kInvalidArgument, __VA_ARGS__)
-#define ELASTICEP_INTERNAL(cond, ...) ELASTICEP_CHECK(cond, ::elasticep::ErrorCode::kInternal, "internal: ", __VA_ARGS__)
+#define ELASTICEP_INTERNAL(cond, ...) \
+    ELASTICEP_CHECK(cond, ::elasticep::ErrorCode::kInternal, "internal: ", __VA_ARGS__)

@@ -4,13 +4,20 @@ namespace elasticep {
 
 const char* error_code_name(ErrorCode code) {
     switch (code) {
-        case ErrorCode::kInvalidArgument: return "InvalidArgument";
-        case ErrorCode::kUnsupported: return "Unsupported";
-        case ErrorCode::kCapacityExceeded: return "CapacityExceeded";
-        case ErrorCode::kTimeout: return "Timeout";
-        case ErrorCode::kCuda: return "Cuda";
-        case ErrorCode::kNccl: return "Nccl";
-        case ErrorCode::kInternal: return "Internal";
+        case ErrorCode::kInvalidArgument:
+            return "InvalidArgument";
+        case ErrorCode::kUnsupported:
+            return "Unsupported";
+        case ErrorCode::kCapacityExceeded:
+            return "CapacityExceeded";
+        case ErrorCode::kTimeout:
+            return "Timeout";
+        case ErrorCode::kCuda:
+            return "Cuda";
+        case ErrorCode::kNccl:
+            return "Nccl";
+        case ErrorCode::kInternal:
+            return "Internal";
     }
     return "Unknown";
 }

@@ -23,11 +23,12 @@ void mpi_check(int rc, const char* what) {
     char msg[MPI_MAX_ERROR_STRING];
     int len = 0;
     MPI_Error_string(rc, msg, &len);
-    detail::raise(ErrorCode::kInternal, detail::cat("MPI ", what, " failed: ", std::string(msg, static_cast<size_t>(len))));
+    detail::raise(ErrorCode::kInternal,
+                  detail::cat("MPI ", what, " failed: ", std::string(msg, static_cast<size_t>(len))));
 }
 
 class MpiRankGroup final : public Group {
-   public:
+ public:
     MpiRankGroup(MPI_Comm comm, std::chrono::milliseconds timeout) : timeout_(timeout) {
         mpi_check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
         mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
@@ -52,7 +53,8 @@ class MpiRankGroup final : public Group {
 
     void all_gather(const void* send, size_t bytes, void* recv) override {
         MPI_Request req;
-        mpi_check(MPI_Iallgather(send, static_cast<int>(bytes), MPI_BYTE, recv, static_cast<int>(bytes), MPI_BYTE, comm_, &req),
+        mpi_check(MPI_Iallgather(send, static_cast<int>(bytes), MPI_BYTE, recv, static_cast<int>(bytes), MPI_BYTE,
+                                 comm_, &req),
                   "MPI_Iallgather");
         wait(req, "all_gather");
     }
@@ -62,9 +64,10 @@ class MpiRankGroup final : public Group {
         wait(req, "barrier");
     }
 
-   private:
+ private:
     void wait(MPI_Request& req, const char* what) {
-        ELASTICEP_CHECK(!broken_, ErrorCode::kTimeout, "MpiGroup ", what, ": this group timed out earlier and MPI "
+        ELASTICEP_CHECK(!broken_, ErrorCode::kTimeout, "MpiGroup ", what,
+                        ": this group timed out earlier and MPI "
                         "cannot cancel the pending collective; create a new group (or restart the job)");
         const auto deadline = std::chrono::steady_clock::now() + timeout_;
         for (;;) {
@@ -73,9 +76,9 @@ class MpiRankGroup final : public Group {
             if (done) return;
             if (std::chrono::steady_clock::now() > deadline) {
                 broken_ = true;
-                detail::raise(ErrorCode::kTimeout, detail::cat("MpiGroup ", what, ": rank ", rank_, " waited ",
-                                                               timeout_.count(), " ms; not every rank of ", size_,
-                                                               " joined the collective"));
+                detail::raise(ErrorCode::kTimeout,
+                              detail::cat("MpiGroup ", what, ": rank ", rank_, " waited ", timeout_.count(),
+                                          " ms; not every rank of ", size_, " joined the collective"));
             }
             std::this_thread::sleep_for(std::chrono::microseconds(20));
         }
@@ -124,8 +127,9 @@ std::shared_ptr<Group> MpiGroup::from_fortran_handle(int64_t comm, std::chrono::
 bool MpiGroup::available() { return false; }
 
 std::shared_ptr<Group> MpiGroup::world(std::chrono::milliseconds) {
-    detail::raise(ErrorCode::kUnsupported, "this build has no MPI support (no MPI found at configure time; "
-                                           "install libopenmpi-dev and rebuild)");
+    detail::raise(ErrorCode::kUnsupported,
+                  "this build has no MPI support (no MPI found at configure time; "
+                  "install libopenmpi-dev and rebuild)");
 }
 
 std::shared_ptr<Group> MpiGroup::from_fortran_handle(int64_t, std::chrono::milliseconds) { return world({}); }

@@ -53,7 +53,7 @@ ELASTICEP_HD uint32_t shift_rne(uint32_t mant, uint32_t shift) {
     return keep + ((rem > half || (rem == half && (keep & 1u))) ? 1u : 0u);
 }
 
-inline constexpr uint8_t kE4M3NaN = 0x7f;  // canonical NaN, what CUDA's satfinite cvt returns
+inline constexpr uint8_t kE4M3NaN = 0x7f;      // canonical NaN, what CUDA's satfinite cvt returns
 inline constexpr uint8_t kE4M3MaxCode = 0x7e;  // 448
 inline constexpr float kE4M3Max = 448.0f;
 

@@ -81,8 +81,8 @@ DispatchOutputSpecs dispatch_output_specs(const BufferConfig& cfg, int num_ranks
 void check_output(const TensorRef& t, const OutputSpec& spec, Device device, const char* name) {
     TensorRef expect = spec.bind(nullptr, device);
     const bool strides_ok = t.strides == spec.strides || (t.is_contiguous() && expect.is_contiguous());
-    const bool ok = t.dtype == spec.dtype && t.shape == spec.shape && t.device == device && t.data != nullptr &&
-                    strides_ok;
+    const bool ok =
+        t.dtype == spec.dtype && t.shape == spec.shape && t.device == device && t.data != nullptr && strides_ok;
     ELASTICEP_CHECK_ARG(ok, "caller-provided output ", name, " is ", t.describe(), " but this dispatch needs ",
                         expect.describe(), (expect.is_contiguous() ? "" : " (MN-major scale layout)"),
                         t.data == nullptr ? " (data pointer is null)" : "");

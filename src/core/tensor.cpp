@@ -8,24 +8,36 @@ namespace elasticep {
 
 size_t dtype_size(DType dtype) {
     switch (dtype) {
-        case DType::kBFloat16: return 2;
-        case DType::kFloat8E4M3: return 1;
-        case DType::kFloat32: return 4;
-        case DType::kInt32: return 4;
-        case DType::kInt64: return 8;
-        case DType::kUInt8: return 1;
+        case DType::kBFloat16:
+            return 2;
+        case DType::kFloat8E4M3:
+            return 1;
+        case DType::kFloat32:
+            return 4;
+        case DType::kInt32:
+            return 4;
+        case DType::kInt64:
+            return 8;
+        case DType::kUInt8:
+            return 1;
     }
     return 0;
 }
 
 const char* dtype_name(DType dtype) {
     switch (dtype) {
-        case DType::kBFloat16: return "bf16";
-        case DType::kFloat8E4M3: return "fp8_e4m3";
-        case DType::kFloat32: return "fp32";
-        case DType::kInt32: return "int32";
-        case DType::kInt64: return "int64";
-        case DType::kUInt8: return "uint8";
+        case DType::kBFloat16:
+            return "bf16";
+        case DType::kFloat8E4M3:
+            return "fp8_e4m3";
+        case DType::kFloat32:
+            return "fp32";
+        case DType::kInt32:
+            return "int32";
+        case DType::kInt64:
+            return "int64";
+        case DType::kUInt8:
+            return "uint8";
     }
     return "?";
 }
@@ -52,7 +64,8 @@ int64_t TensorRef::numel() const {
 
 int64_t TensorRef::stride(int dim) const {
     const auto d = static_cast<size_t>(dim);
-    if (d >= shape.size()) detail::raise(ErrorCode::kInternal, detail::cat("stride(", dim, ") of a ", ndim(), "-d tensor"));
+    if (d >= shape.size())
+        detail::raise(ErrorCode::kInternal, detail::cat("stride(", dim, ") of a ", ndim(), "-d tensor"));
     if (!strides.empty()) return strides[d];
     int64_t s = 1;
     for (size_t i = d + 1; i < shape.size(); ++i) s *= shape[i];

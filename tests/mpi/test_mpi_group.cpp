@@ -1,19 +1,18 @@
 // Run under mpirun with 3 processes: the MpiGroup collectives (rank-major all_gather, barrier, one
 // identity on every rank).
-#include <elasticep/elasticep.hpp>
-
 #include <chrono>
 #include <cstdio>
+#include <elasticep/elasticep.hpp>
 #include <vector>
 
 using namespace elasticep;
 
-#define EXPECT(cond)                                                                   \
-    do {                                                                               \
-        if (!(cond)) {                                                                 \
+#define EXPECT(cond)                                                                     \
+    do {                                                                                 \
+        if (!(cond)) {                                                                   \
             std::fprintf(stderr, "rank check failed at line %d: %s\n", __LINE__, #cond); \
-            return 1;                                                                  \
-        }                                                                              \
+            return 1;                                                                    \
+        }                                                                                \
     } while (0)
 
 int main() {

@@ -823,7 +823,7 @@ TEST(Errors, ZeroRowTensorsWithAnyStridesAreAccepted) {
 // construction) completes and then throws, so the ranks stay in step and only that rank's backend
 // construction fails.
 class FailingBarrierGroup final : public Group {
-   public:
+ public:
     FailingBarrierGroup(std::shared_ptr<Group> inner, int fail_rank, std::function<void()> fail)
         : inner_(std::move(inner)), fail_rank_(fail_rank), fail_(std::move(fail)) {}
     int rank() const override { return inner_->rank(); }
@@ -838,7 +838,7 @@ class FailingBarrierGroup final : public Group {
     }
     std::string identity() const override { return inner_->identity(); }
 
-   private:
+ private:
     std::shared_ptr<Group> inner_;
     int fail_rank_;
     std::function<void()> fail_;

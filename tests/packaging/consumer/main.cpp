@@ -1,8 +1,7 @@
 // A program outside the source tree, built against the installed package: one rank, one token,
 // two experts; checks the dispatch and combine results by hand.
-#include <elasticep/elasticep.hpp>
-
 #include <cstdio>
+#include <elasticep/elasticep.hpp>
 #include <vector>
 
 int main() {
