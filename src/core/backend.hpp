@@ -55,7 +55,8 @@ class BackendBuffer {
     virtual void reset_expert_load() = 0;
     // Test-only fault injection (core/testing.hpp): lets a test play a peer that breaks the protocol.
     virtual void set_dispatch_forger(testing::DispatchForger) {
-        raise(ErrorCode::kUnsupported, "dispatch forging (a test hook) is implemented by the CPU backend only");
+        raise(ErrorCode::kUnsupported,
+              "dispatch forging (a test hook) is implemented by the CPU and CUDA backends only");
     }
 };
 

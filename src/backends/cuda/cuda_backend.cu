@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "backends/cuda/device_outputs.hpp"
+#include "backends/cuda/dispatch_forger.hpp"
 #include "backends/cuda/host_records.hpp"
 #include "backends/cuda/kernel_launch.hpp"
 #include "backends/cuda/launch_config.hpp"
@@ -173,6 +174,8 @@ class CudaBackend final : public BackendBuffer {
         cudaGetLastError();
     }
 
+    void set_dispatch_forger(testing::DispatchForger forger) override { forger_ = std::move(forger); }
+
     Device device() const override { return Device{DeviceType::kCUDA, dev_}; }
     size_t reserved_bytes() const override { return cuda_reservation_bytes(cfg_, num_ranks_); }
 
@@ -238,6 +241,7 @@ class CudaBackend final : public BackendBuffer {
         ELASTICEP_CHECK_ARG(!(capturing && a.host_sync),
                             "dispatch: host_sync=true cannot be captured in a CUDA graph (it reads the row count on "
                             "the host); pass host_sync=false (graph mode) while capturing");
+        ELASTICEP_CHECK_ARG(!(capturing && forger_), "dispatch: a test's dispatch forger cannot run while capturing");
         const cuda::DispatchTargets out = outputs_->dispatch_targets(a, req.rows_cap, capturing, stream);
         p.recv_x = out.recv_x;
         p.recv_weights = out.recv_weights;
@@ -248,6 +252,8 @@ class CudaBackend final : public BackendBuffer {
         const int grid = 2 * launch_.num_sms;
         cuda::launch_plan(p, modes, stream);
         cuda::launch_send(p, modes, grid, stream);
+        // a test playing a sender that breaks the protocol (core/testing.hpp)
+        if (forger_) cuda::forge_outgoing(forger_, rank_, shape_, region_, window_->windows(), ws_, stream);
         meet_peers([&] { cuda::launch_exchange(p, modes, stream); }, p, stream, capturing, kPhaseDispatch);
 
         int64_t rows_out = contiguous ? req.rows_cap : shape_.slots();
@@ -375,6 +381,7 @@ class CudaBackend final : public BackendBuffer {
     std::unique_ptr<cuda::HostRecordLease> record_;
     std::unique_ptr<transport::SymmetricMemory> window_;
     std::unique_ptr<cuda::PeerWatch> watch_;
+    testing::DispatchForger forger_;  // test-only fault injection, empty in every real use
 };
 
 }  // namespace
