@@ -326,8 +326,8 @@ void Scenario::validate() const {
     if (num_gpus > num_ranks)
         bad_option("--gpus " + to_string(num_gpus) + " exceeds --ranks " + to_string(num_ranks) +
                    " (a GPU without a rank); lower --gpus or raise --ranks");
-    if (graph && layout == Layout::kExpertContiguous && host_sync)
-        bad_option("--graph: a captured dispatch cannot return M to the host; add --graph-mode or use --layout masked");
+    if (graph && host_sync)
+        bad_option("--graph: a captured dispatch cannot synchronise with the host; use --graph-mode (no host sync)");
     if (rounds < 1) bad_option("--rounds must be >= 1, got " + to_string(rounds));
     if (warmup < 0) bad_option("--warmup must be >= 0, got " + to_string(warmup));
     if (prequantized && payload != Payload::kFP8) bad_option("--prequantized needs --payload fp8");
