@@ -187,7 +187,8 @@ Reservation reservation(const BufferConfig& config, int num_ranks);
 //   direct path (every rank a thread of this process on this GPU): senders write rows straight into
 //     the receivers' outputs and origins read the expert outputs in place: no slots at all.
 //   both: the workspace (route tables: R * C * K * 8 bytes for the staged path's received routes,
-//     C * K * 12 for a rank's own routes) and the buffer-owned combine output (C * H * 2).
+//     C * K * 12 (staged) or C * K * 20 (direct) for a rank's own routes) and the buffer-owned combine
+//     output (C * H * 2).
 inline constexpr int64_t kStagingBudgetBytes = int64_t{1} << 30;  // a window's message ring, per rank
 inline constexpr int kMinRingSlots = 64;                          // the ring never shrinks below this (or C)
 
@@ -214,10 +215,10 @@ struct CudaReservation {
     int ring;                 // S: message slots per sender
     int64_t dispatch_ring;    // R * S * (message + K * 4)
     int64_t combine_slots;    // C * min(K, R) * H * 2
-    int64_t route_tables;     // R * C * K * 8 (staged) + C * K * 12
+    int64_t route_tables;     // staged: R * C * K * 8 + C * K * 12
     int64_t combine_out;      // C * H * 2
     int64_t graph_extension;  // R * (C - S) * (message + K * 4): the first graph-mode call adds it (0 when S == C)
-    int64_t direct;           // the direct path's whole reservation (route tables + combine output + flags)
+    int64_t direct;           // the direct path's whole reservation: C * K * 20 + combine output
 
     ELASTICEP_HD int64_t staged() const { return dispatch_ring + combine_slots + route_tables + combine_out; }
     ELASTICEP_HD int64_t staged_graph_mode() const { return staged() + graph_extension; }
@@ -231,11 +232,11 @@ ELASTICEP_HD CudaReservation cuda_reservation_of(int num_ranks, int capacity, in
     const int64_t slot = ring_slot_bytes(num_topk, message_bytes);
     r.dispatch_ring = int64_t{num_ranks} * r.ring * slot;
     r.combine_slots = combine_slot_rows(num_ranks, capacity, num_topk) * hidden * 2;
-    const int64_t own_routes = int64_t{capacity} * num_topk * 12;
-    r.route_tables = int64_t{num_ranks} * capacity * num_topk * 8 + own_routes;
+    const int64_t own_routes = int64_t{capacity} * num_topk;
+    r.route_tables = int64_t{num_ranks} * capacity * num_topk * 8 + own_routes * 12;
     r.combine_out = int64_t{capacity} * hidden * 2;
     r.graph_extension = int64_t{num_ranks} * (capacity - r.ring) * slot;
-    r.direct = own_routes + r.combine_out;
+    r.direct = own_routes * 20 + r.combine_out;
     return r;
 }
 CudaReservation cuda_reservation(const BufferConfig& config, int num_ranks);

@@ -113,11 +113,17 @@ struct PathChoice {
     std::string why;  // why not direct
 };
 
-PathChoice choose_path(const BufferConfig& c, const transport::Placement& where, int num_ranks) {
+// ELASTICEP_KERNEL_VARIANT: auto (the default), staged or direct.
+std::string kernel_variant() {
     std::string variant = "auto";
     if (const char* v = std::getenv("ELASTICEP_KERNEL_VARIANT"); v && *v) variant = v;
     ELASTICEP_CHECK(variant == "auto" || variant == "staged" || variant == "direct", ErrorCode::kInvalidArgument,
-                    "ELASTICEP_KERNEL_VARIANT=", variant, " is not one of auto, staged, direct");
+                    "ELASTICEP_KERNEL_VARIANT=", variant, " is not one of auto, staged, direct; unset it or pick one");
+    return variant;
+}
+
+PathChoice choose_path(const std::string& variant, const BufferConfig& c, const transport::Placement& where,
+                       int num_ranks) {
     PathChoice p;
     if (variant == "staged")
         p.why = "ELASTICEP_KERNEL_VARIANT=staged";
@@ -171,11 +177,13 @@ class CudaBackend final : public BackendBuffer {
         std::exception_ptr failure;
         int device_sms = 1;
         int64_t budget = kStagingBudgetBytes;
+        std::string variant = "auto";
         try {
             ELASTICEP_CHECK(e_local_ <= kMaxLocalExperts, ErrorCode::kUnsupported, "the CUDA backend supports at most ",
                             "kMaxLocalExperts=", kMaxLocalExperts, " local experts per rank; this config has ",
                             e_local_);
             budget = staging_budget();
+            variant = kernel_variant();
             if (cfg_.device >= 0)
                 dev_ = cfg_.device;
             else
@@ -203,7 +211,7 @@ class CudaBackend final : public BackendBuffer {
             // receive window of every rank (collective), then this rank's workspace
             const transport::Placement where = transport::Placement::gather(*ctx.group, rank_, dev_, failure);
             launch_ = cuda::LaunchConfig::choose(cfg_, where, device_sms);
-            const PathChoice path = choose_path(cfg_, where, num_ranks_);
+            const PathChoice path = choose_path(variant, cfg_, where, num_ranks_);
             const int ring = path.direct ? 0 : ring_of(cfg_, num_ranks_, budget);
             struct Agree {
                 int32_t direct, ring;
