@@ -360,10 +360,8 @@ class CudaBackend final : public BackendBuffer {
                     contiguous ? kernels::ScaleStrides{0, st[0], st[1]} : kernels::ScaleStrides{st[0], st[1], st[2]};
                 p.scales_mn_dynamic = contiguous && a.scales_mn_major && a.host_sync && !a.outputs.recv_scales;
             }
-            p.fused_plan = kernels::fused_plan_fits(cfg_.num_experts, static_cast<int>(t_count));
-            if (!p.fused_plan) cuda::launch_plan(p, modes, stream);
             run_direct([&](int grid) { cuda::launch_direct_dispatch(p, modes, grid, stream); }, p, stream, capturing,
-                       kPhaseDispatch, region_.plan_flags, region_.sent_flags, 1);
+                       kPhaseDispatch, region_.plan_flags, region_.sent_flags, 1, true);
             if (p.host_sync) {
                 ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
                 watch_->raise_faults();
@@ -455,7 +453,7 @@ class CudaBackend final : public BackendBuffer {
         const bool nodes = shape_.node_level();
         if (direct_) {
             run_direct([&](int grid) { cuda::launch_direct_combine(p, nodes, grid, stream); }, p, stream, capturing,
-                       kPhaseCombine, region_.ready_flags, region_.done_flags, 0);
+                       kPhaseCombine, region_.ready_flags, region_.done_flags, 0, false);
         } else {
             const int grid = 2 * (handle.num_sms > 0 ? handle.num_sms : launch_.num_sms);
             cuda::launch_partial(p, args.weighted, grid, stream);
@@ -517,15 +515,17 @@ class CudaBackend final : public BackendBuffer {
     }
 
     // A direct kernel: one launch with device waits, or, with host waits (never inside a capture),
-    // publish (one block) -> host wait for the first flags -> move -> host wait for the second ->
-    // finish (one block). `epoch_delta`: the flags carry ws.epoch + 1 (dispatch) or ws.epoch (combine).
+    // publish (one block, or the whole grid when the publish step plans: `grid_publishes`) -> host
+    // wait for the first flags -> move -> host wait for the second -> finish (one block).
+    // `epoch_delta`: the flags carry ws.epoch + 1 (dispatch) or ws.epoch (combine).
     template <class Launch>
     void run_direct(Launch&& launch, kernels::CallParams<cuda::Team>& p, cudaStream_t stream, bool capturing,
-                    int32_t phase, int64_t first_flags, int64_t second_flags, uint64_t epoch_delta) {
+                    int32_t phase, int64_t first_flags, int64_t second_flags, uint64_t epoch_delta,
+                    bool grid_publishes) {
         const int grid = grid_sms_ * direct_blocks_per_sm_;
         if (launch_.host_waits && !capturing) {
             p.step = kernels::kStepPublish;
-            launch(1);
+            launch(grid_publishes ? grid : 1);
             watch_->host_wait_words(stream, phase, first_flags, epoch_delta);
             p.step = kernels::kStepMove;
             launch(grid);

@@ -13,12 +13,12 @@ using kernels::with_constants;
 
 namespace {
 
-// The largest dynamic shared memory a direct dispatch asks for (kDirectMaxExperts, the fused plan).
+// The largest dynamic shared memory a direct dispatch asks for (kDirectMaxExperts, a full plan chunk).
 constexpr int kDirectMaxSmem =
-    (3 * kernels::kDirectMaxExperts + kernels::kDirectMaxRanks + kernels::kFusedPlanMaxWords) * 4;
+    (4 * kernels::kDirectMaxExperts + kernels::kDirectMaxRanks + 1024 + kernels::kPlanWords) * 4;
 
 int smem_of(const DispatchParams& p) {
-    return kernels::direct_dispatch_smem_bytes(p.shape.num_experts, p.shape.num_ranks, p.num_tokens, p.fused_plan);
+    return kernels::direct_dispatch_smem_bytes(p.shape.num_experts, p.shape.num_ranks, p.num_tokens);
 }
 
 }  // namespace

@@ -8,14 +8,18 @@
 // direct_dispatch_kernel  grid = SM share x occupancy (every block of every rank resident at once:
 //     the host sizes it with the occupancy calculator), block kThreads, dynamic shared memory
 //     direct_dispatch_smem_bytes. One launch does every step with device waits (kStepAll); with host
-//     waits the host launches kStepPublish (one block), waits for the plan flags, kStepMove, waits
-//     for the sent flags, kStepFinish (one block).
-//   plan      the fused plan (p.fused_plan, few tokens): every block builds a bitmap of this rank's
-//             tokens per expert in shared memory, so a route's position among the rank's routes to
-//             its expert is a popcount; else the plan kernel ran first (ws.pos_in_expert).
-//   publish   block 0 resolves the route status (decide_route_status) and writes, in this rank's own
-//             window, its per-expert route counts and its DirectOutputs (output pointers, scale
-//             strides, status); then signals every peer's plan flag (release, GPU scope).
+//     waits the host launches kStepPublish (plan and publish), waits for the plan flags, kStepMove,
+//     waits for the sent flags, kStepFinish (one block).
+//   plan      every block reads every token's top-k row once, chunk by chunk (one thread per token:
+//             ids checked, repeats dropped), into a bitmap of the chunk's tokens per expert in shared
+//             memory, so a route's position among the rank's routes to its expert (t ascending) is a
+//             running count plus a popcount; each block writes the positions of its share of the
+//             tokens (ws.pos_in_expert). No plan kernel.
+//   publish   the last block to finish its plan (ws.arrive) resolves the route status
+//             (decide_route_status) and writes, in this rank's own window, its per-expert route counts
+//             and its DirectOutputs (output pointers, scale strides, status); then signals every
+//             peer's plan flag (release, GPU scope): seeing its own flag tells every block of this
+//             rank that every position is written.
 //   tables    every block waits (bounded) for every sender's plan flag, reads every rank's counts
 //             (checked on receipt: each in [0, C], per receiver at most C * min(K, E_local); a sender
 //             that fails is dropped everywhere alike and recorded as a peer fault) and statuses (any
@@ -48,20 +52,23 @@ namespace elasticep::kernels {
 
 enum DirectStep : int32_t { kStepAll = 0, kStepPublish = 1, kStepMove = 2, kStepFinish = 3 };
 
-constexpr int kDirectMaxRanks = 64;       // senders dropped as corrupt are one 64-bit mask
-constexpr int kDirectMaxExperts = 2048;   // per-expert tables in shared memory
-constexpr int kFusedPlanMaxTokens = 512;  // the fused plan's bitmap: E * ceil(T / 32) words
-constexpr int kFusedPlanMaxWords = 8192;
+constexpr int kDirectMaxRanks = 64;      // senders dropped as corrupt are one 64-bit mask
+constexpr int kDirectMaxExperts = 2048;  // per-expert tables in shared memory
+constexpr int kPlanWords = 8192;         // the plan's bitmap: E * chunk / 32 words (32 KB)
 
-__host__ __device__ inline int fused_plan_words(int num_experts, int num_tokens) {
-    return num_experts * ((num_tokens + 31) / 32);
+// Tokens of one plan chunk: as many as the bitmap holds (at most 1024, a multiple of 32), fewer when
+// the rank has fewer tokens.
+__host__ __device__ inline int plan_chunk_tokens(int num_experts, int num_tokens) {
+    int per = kPlanWords / (num_experts > 0 ? num_experts : 1);
+    per = per < 1 ? 1 : per > 32 ? 32 : per;
+    const int rounded = (num_tokens + 31) / 32;
+    return 32 * (rounded < per ? (rounded > 0 ? rounded : 1) : per);
 }
-__host__ __device__ inline bool fused_plan_fits(int num_experts, int num_tokens) {
-    return num_tokens <= kFusedPlanMaxTokens && fused_plan_words(num_experts, num_tokens) <= kFusedPlanMaxWords;
-}
-// dynamic shared memory of direct_dispatch_kernel: base, seg, total [E], m_of [R], bitmap
-__host__ __device__ inline int direct_dispatch_smem_bytes(int num_experts, int num_ranks, int num_tokens, bool fused) {
-    return (3 * num_experts + num_ranks + (fused ? fused_plan_words(num_experts, num_tokens) : 0)) * 4;
+// dynamic shared memory of direct_dispatch_kernel: base, seg, total, running [E], m_of [R], the
+// chunk's kept-route masks [chunk] and its bitmap [E][chunk / 32]
+__host__ __device__ inline int direct_dispatch_smem_bytes(int num_experts, int num_ranks, int num_tokens) {
+    const int chunk = plan_chunk_tokens(num_experts, num_tokens);
+    return (4 * num_experts + num_ranks + chunk + num_experts * (chunk / 32)) * 4;
 }
 
 // Position of token t among the tokens whose bit is set in `row` (bits t ascending, 32 per word).
@@ -115,10 +122,12 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     int32_t* base = dyn;       // [E] this rank's first row at (d, l) (e = d * E_local + l)
     int32_t* seg = base + ne;  // [E] start of (d, l)'s rows at receiver d
     int32_t* total = seg + ne;
-    int32_t* m_of = total + ne;                                 // [R] rows of receiver d's contiguous output
-    uint32_t* bitmap = reinterpret_cast<uint32_t*>(m_of + nr);  // [E][W] fused plan
-    const int words = (t_count + 31) / 32;
-    const bool fused = p.fused_plan;
+    int32_t* running = total + ne;  // [E] plan: this rank's routes per expert in the chunks so far
+    int32_t* m_of = running + ne;   // [R] rows of receiver d's contiguous output
+    const int chunk = plan_chunk_tokens(ne, t_count);
+    const int words = chunk / 32;
+    uint32_t* valid = reinterpret_cast<uint32_t*>(m_of + nr);  // [chunk] bit k: route k kept
+    uint32_t* bitmap = valid + chunk;                          // [E][words] the chunk's tokens per expert
 
     __shared__ unsigned long long first_bad;
     __shared__ bool ok;
@@ -130,59 +139,77 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     __shared__ int64_t dst_cs[kWarps][kMaxTopk];
 
     if (step != kStepFinish) {
-        // ---- plan ----
-        if (fused) {
-            for (int i = threadIdx.x; i < ne * words; i += blockDim.x) bitmap[i] = 0;
+        if (step != kStepMove) {
+            // ---- plan: every block reads every token (one thread each), chunk by chunk ----
+            for (int e = threadIdx.x; e < ne; e += blockDim.x) running[e] = 0;
             if (threadIdx.x == 0) first_bad = detail::kNoRouteKey;
-            __syncthreads();
-            for (int t = warp; t < t_count; t += kWarps) {
-                const bool active = lane < kk;
-                const int64_t v = active ? topk_at<kIdx64>(p, t, lane) : -1;
-                int fault, dup;
-                const int32_t clean = clean_route(v, active, ne, fault, dup);
-                if (clean >= 0) atomicOr(&bitmap[clean * words + t / 32], 1u << (t % 32));
-                const unsigned bad = __ballot_sync(kFullMask, fault != detail::kRouteOk);
-                if (bad && lane == 0) atomicMin(&first_bad, detail::route_key(t, __ffs(bad) - 1));
-            }
-            __syncthreads();
-        }
-        // ---- publish (block 0) ----
-        if (step != kStepMove && blockIdx.x == 0) {
-            uint8_t* mine = team.self();
-            int32_t* counts_out = RegionLayout::at<int32_t>(mine, region.published_count_row(parity));
-            for (int e = threadIdx.x; e < ne; e += blockDim.x) {
-                int c = 0;
-                if (fused)
-                    for (int w = 0; w < words; ++w) c += __popc(bitmap[e * words + w]);
-                else
-                    c = p.ws.expert_count[e];
-                counts_out[e] = c;
-            }
-            if (threadIdx.x == 0) {
-                unsigned long long key = first_bad;
-                if (!fused) {
-                    key = *p.ws.first_bad_route;
-                    *p.ws.first_bad_route = detail::kNoRouteKey;
+            for (int c0 = 0; c0 < t_count; c0 += chunk) {
+                for (int i = threadIdx.x; i < ne * words; i += blockDim.x) bitmap[i] = 0;
+                __syncthreads();
+                for (int tl = threadIdx.x; tl < chunk && c0 + tl < t_count; tl += blockDim.x) {
+                    const int t = c0 + tl;
+                    uint32_t keep = 0;
+                    unsigned long long bad = detail::kNoRouteKey;
+                    for (int k = 0; k < kk; ++k) {
+                        const int64_t v = topk_at<kIdx64>(p, t, k);
+                        if (v == -1) continue;
+                        bool fine = v >= 0 && v < ne;
+                        for (int j = 0; fine && j < k; ++j) fine = topk_at<kIdx64>(p, t, j) != v;
+                        if (!fine) {  // out of range, or a repeat of an earlier column (dropped)
+                            if (bad == detail::kNoRouteKey) bad = detail::route_key(t, k);
+                            continue;
+                        }
+                        keep |= 1u << k;
+                        atomicOr(&bitmap[v * words + tl / 32], 1u << (tl % 32));
+                    }
+                    valid[tl] = keep;
+                    if (bad != detail::kNoRouteKey) atomicMin(&first_bad, bad);
                 }
-                const RouteStatus st = resolve_route_status_of<kIdx64>(p, key);
-                *p.ws.route_status = st;
-                DirectOutputs* o = RegionLayout::at<DirectOutputs>(mine, region.published_outputs(parity));
-                o->recv_x = p.recv_x;
-                o->recv_scales = p.recv_scales;
-                o->recv_weights = p.recv_weights;
-                o->recv_src = p.recv_src;
-                o->m_indices = p.m_indices;
-                o->scale_expert = p.recv_scale_strides.expert;
-                o->scale_row = p.recv_scale_strides.row;
-                o->scale_column = p.recv_scale_strides.column;
-                o->scales_mn_dynamic = p.scales_mn_dynamic ? 1 : 0;
-                o->status = st;
+                __syncthreads();
+                // positions of this block's share of the chunk's tokens
+                for (int tl = threadIdx.x; tl < chunk && c0 + tl < t_count; tl += blockDim.x) {
+                    const int t = c0 + tl;
+                    if (t % static_cast<int>(gridDim.x) != static_cast<int>(blockIdx.x)) continue;
+                    for (uint32_t m = valid[tl]; m; m &= m - 1) {
+                        const int k = __ffs(m) - 1;
+                        const int e = static_cast<int>(topk_at<kIdx64>(p, t, k));
+                        p.ws.pos_in_expert[t * kk + k] = running[e] + bitmap_rank(bitmap + e * words, tl);
+                    }
+                }
+                __syncthreads();
+                for (int e = threadIdx.x; e < ne; e += blockDim.x) {
+                    int c = 0;
+                    for (int w = 0; w < words; ++w) c += __popc(bitmap[e * words + w]);
+                    running[e] += c;
+                }
+                __syncthreads();
             }
-            Team::fence_gpu();
-            __syncthreads();
-            for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.plan_flag(rank), epoch);
+            // ---- publish (the last block to finish its plan) ----
+            if (last_block_arrives(&p.ws.arrive[2])) {
+                uint8_t* mine = team.self();
+                int32_t* counts_out = RegionLayout::at<int32_t>(mine, region.published_count_row(parity));
+                for (int e = threadIdx.x; e < ne; e += blockDim.x) counts_out[e] = running[e];
+                if (threadIdx.x == 0) {
+                    const RouteStatus st = resolve_route_status_of<kIdx64>(p, first_bad);
+                    *p.ws.route_status = st;
+                    DirectOutputs* o = RegionLayout::at<DirectOutputs>(mine, region.published_outputs(parity));
+                    o->recv_x = p.recv_x;
+                    o->recv_scales = p.recv_scales;
+                    o->recv_weights = p.recv_weights;
+                    o->recv_src = p.recv_src;
+                    o->m_indices = p.m_indices;
+                    o->scale_expert = p.recv_scale_strides.expert;
+                    o->scale_row = p.recv_scale_strides.row;
+                    o->scale_column = p.recv_scale_strides.column;
+                    o->scales_mn_dynamic = p.scales_mn_dynamic ? 1 : 0;
+                    o->status = st;
+                }
+                Team::fence_gpu();
+                __syncthreads();
+                for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.plan_flag(rank), epoch);
+            }
+            if (step == kStepPublish) return;
         }
-        if (step == kStepPublish) return;
 
         // ---- tables: every sender's counts and status ----
         if (threadIdx.x == 0) {
@@ -306,12 +333,8 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                     const int32_t clean = clean_route(v, active, ne, fault, dup);
                     const int d = clean >= 0 ? clean / el : 0;
                     const int l = clean >= 0 ? clean % el : 0;
-                    int32_t row = -1;
-                    if (clean >= 0) {
-                        const int pos =
-                            fused ? bitmap_rank(bitmap + clean * words, t) : p.ws.pos_in_expert[t * kk + lane];
-                        row = base[clean] + pos;
-                    }
+                    // the plan kept exactly the routes clean_route keeps
+                    const int32_t row = clean >= 0 ? base[clean] + p.ws.pos_in_expert[t * kk + lane] : -1;
                     const float w =
                         (active && p.topk_weights) ? p.topk_weights[t * p.topk_weights_row_stride + lane] : 0.0f;
                     if (active && first) {
