@@ -113,9 +113,12 @@ struct PathChoice {
     std::string why;  // why not direct
 };
 
-// ELASTICEP_KERNEL_VARIANT: auto (the default), staged or direct.
+// ELASTICEP_KERNEL_VARIANT: auto, staged or direct; unset: kDefaultKernelVariant (auto takes the direct
+// path wherever it applies: docs/perf/NOTES.md has the measurements behind the choice).
+constexpr const char* kDefaultKernelVariant = "auto";
+
 std::string kernel_variant() {
-    std::string variant = "auto";
+    std::string variant = kDefaultKernelVariant;
     if (const char* v = std::getenv("ELASTICEP_KERNEL_VARIANT"); v && *v) variant = v;
     ELASTICEP_CHECK(variant == "auto" || variant == "staged" || variant == "direct", ErrorCode::kInvalidArgument,
                     "ELASTICEP_KERNEL_VARIANT=", variant, " is not one of auto, staged, direct; unset it or pick one");
