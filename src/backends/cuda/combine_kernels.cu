@@ -26,6 +26,10 @@ void launch_reduce(const CombineParams& p, bool bias, bool nodes, int grid, cuda
     ELASTICEP_CUDA_CHECK_LAUNCH();
 }
 
+void launch_reduce(const CombineParams& p, bool bias, int grid, cudaStream_t stream) {
+    launch_reduce(p, bias, p.shape.node_level(), grid, stream);
+}
+
 void load_combine_kernels() {
     cudaFuncAttributes attr{};
     ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::publish_kernel<Team>));

@@ -33,6 +33,8 @@ void launch_partial(const CombineParams& p, bool weighted, int grid, cudaStream_
 void launch_publish(const CombineParams& p, cudaStream_t stream);
 // `nodes`: the node level of the combine order (ranks_per_node < R)
 void launch_reduce(const CombineParams& p, bool bias, bool nodes, int grid, cudaStream_t stream);
+// the node level from p.shape (ranks_per_node)
+void launch_reduce(const CombineParams& p, bool bias, int grid, cudaStream_t stream);
 
 // direct path (src/kernels/intranode/direct.cuh); p.step says which steps run, `grid` is 1 for
 // kStepPublish and kStepFinish

@@ -166,6 +166,12 @@ struct RegionLayout {
     }
     // The compact combine slot `row` (an origin's message number out_base[d] + j).
     ELASTICEP_HD int64_t combine_slot(int64_t row) const { return combine_slots + row * hidden * 2; }
+    // Kept for code written against the earlier holder-indexed combine area ([R holders][C] rows):
+    // that layout holds R * C rows, which make() reserves only when min(K, R) == R (R <= K). New code
+    // uses combine_slot with the origin's message numbers.
+    ELASTICEP_HD int64_t combine_row(int holder, int64_t token) const {
+        return combine_slots + (int64_t{holder} * capacity + token) * hidden * 2;
+    }
     ELASTICEP_HD int64_t combine_flag(int holder) const { return combine_flags + int64_t{holder} * 8; }
     ELASTICEP_HD int64_t round_flag(int peer) const { return round_flags + int64_t{peer} * 8; }
     ELASTICEP_HD int64_t plan_flag(int sender) const { return plan_flags + int64_t{sender} * 8; }

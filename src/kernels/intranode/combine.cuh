@@ -219,7 +219,7 @@ __device__ __forceinline__ void add_partial(float (&acc)[8], float (&q)[8], cons
     }
 }
 
-template <class Team, bool kBias, bool kNodes>
+template <class Team, bool kBias, bool kNodes = false>
 __global__ void __launch_bounds__(kThreads, 2) reduce_kernel(CombineParams<Team> p) {
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
