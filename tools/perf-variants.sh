@@ -3,7 +3,8 @@
 # (docs/perf/NOTES.md): per variant (ELASTICEP_KERNEL_VARIANT = direct, staged) a quick gpu-test
 # subset and `elasticep bench` at DeepSeek-V3 shapes with 8 ranks as threads on GPU 0 and device waits
 # (decode T=128 masked + CUDA graph; prefill T=4096 contiguous A=128, one verified run and one timing
-# run), then compute-sanitizer on small cases, then a compact table. Usage:
+# run), then compute-sanitizer on small cases, then a compact table. About 6 minutes on one H200
+# (build ~2, tests ~1, benches ~1.5, sanitizer ~1.5). Usage:
 #   tools/perf-variants.sh OUT_DIR
 # Environment: VARIANTS (default "direct staged"), STEPS (default build,tests,bench,sanitize; add sweep
 # for the latency-vs-tokens plot: docs/perf/*.png via tools/plot_perf.py), ROUNDS (default 20),
@@ -65,7 +66,7 @@ if has tests; then
     for v in $variants; do
         say "tests: variant $v"
         ELASTICEP_KERNEL_VARIANT=$v timeout 180 "$bin" \
-            --gtest_filter='CudaBackendMatrix.*:CudaBackendGraph.*:CudaPeerChecks.*:CudaBackendFaults.HostSync*:CudaBackendFaults.GraphMode*:CudaBackendFaults.ARankThatFails*:ServingGpu.LayerMatchesTheDenseReference:ServingGpu.DecodeLayerReplaysFromACudaGraph' \
+            --gtest_filter='CudaBackendMatrix.*:CudaBackendGraph.*:CudaPeerChecks.*:CudaBackendFaults.HostSync*:CudaBackendFaults.GraphMode*:CudaBackendFaults.ARankThatFails*' \
             --gtest_output=json:"$out/tests_$v.json" >"$out/tests_$v.log" 2>&1 || fail "gpu tests, variant $v (rc $?)"
         grep -E '^\[ *(FAILED|SKIPPED) *\]|Failure|\[elasticep\]' "$out/tests_$v.log" | head -20
         grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$out/tests_$v.log"
@@ -108,8 +109,10 @@ fi
 if has sanitize; then
     for v in $variants; do
         say "sanitize: variant $v"
-        for tool in memcheck racecheck; do
-            filter=${SANITIZE_FILTER:-CudaBackendMatrix.OneRank:CudaBackendMatrix.TwoRanksOneGpu}
+        tools=memcheck
+        [ "$v" = direct ] && tools="memcheck racecheck"  # the new kernels' shared memory
+        for tool in $tools; do
+            filter=${SANITIZE_FILTER:-CudaBackendMatrix.TwoRanksOneGpu}
             [ $tool = racecheck ] && filter=${SANITIZE_FILTER:-CudaBackendMatrix.OneRank}
             echo "### $v $tool $filter" >>"$out/sanitizer.log"
             ELASTICEP_KERNEL_VARIANT=$v timeout 150 compute-sanitizer --tool $tool --error-exitcode 3 "$bin" \
