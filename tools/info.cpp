@@ -10,6 +10,7 @@
 #include "commands.hpp"
 #include "core/layout.hpp"
 #include "core/outputs.hpp"
+#include "core/protocol.hpp"
 #include "elasticep/buffer.hpp"
 #include "elasticep/error.hpp"
 #include "elasticep/version.hpp"
@@ -157,6 +158,34 @@ int run_info_command(InfoOptions& o) {
             }
         }
         c["reservation_bytes"] = res;
+        // The CUDA figures by path, from the formula (CPU-side arithmetic: printed without a GPU too)
+        {
+            const detail::CudaReservation cr = detail::cuda_reservation(cfg, nr);
+            const int64_t full = int64_t{nr} * cfg.max_tokens_per_rank;
+            os << "  CUDA reservation per rank, by path (formula; docs/PERFORMANCE.md, \"Memory\"):\n";
+            os << "    staged, host sync: " << mib(cr.staged()) << " = message ring R*S*(message + 4K) "
+               << mib(cr.dispatch_ring) << " (S = " << cr.ring << " of C = " << cfg.max_tokens_per_rank
+               << " slots per sender" << (cr.ring < cfg.max_tokens_per_rank ? "; busier pairs stream in rounds" : "")
+               << ") + combine slots C*min(K,R)*H*2 " << mib(cr.combine_slots) << " + route tables R*C*K*8 + C*K*12 "
+               << mib(cr.route_tables) << " + combine output C*H*2 " << mib(cr.combine_out) << "\n";
+            os << "    staged, graph mode: " << mib(cr.staged_graph_mode())
+               << " (the first graph-mode call grows the ring to C: + " << mib(cr.graph_extension) << ")\n";
+            os << "    direct (every rank a thread of one process on one GPU): " << mib(cr.direct)
+               << " = route tables C*K*20 + combine output (no slots: rows go straight into the receivers' outputs)\n";
+            os << "    (a window of R*C messages and R*C partial rows would be "
+               << mib(full * (detail::message_layout(cfg).bytes + int64_t{cfg.hidden} * 2)) << ")\n";
+            nlohmann::ordered_json cj;
+            cj["ring_slots"] = cr.ring;
+            cj["staged_host_sync_bytes"] = cr.staged();
+            cj["staged_graph_mode_bytes"] = cr.staged_graph_mode();
+            cj["direct_bytes"] = cr.direct;
+            cj["parts"] = {{"dispatch_ring", cr.dispatch_ring},
+                           {"combine_slots", cr.combine_slots},
+                           {"route_tables", cr.route_tables},
+                           {"combine_out", cr.combine_out},
+                           {"graph_extension", cr.graph_extension}};
+            c["cuda_reservation"] = cj;
+        }
         std::vector<std::pair<BackendKind, int64_t>> reserved;
         for (BackendKind b : {BackendKind::kCPU, BackendKind::kCUDA})
             if (res.contains(backend_name(b)) && !res[backend_name(b)].is_null())

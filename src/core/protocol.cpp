@@ -13,6 +13,11 @@ Reservation reservation(const BufferConfig& c, int num_ranks) {
     return reservation_of(num_ranks, c.max_tokens_per_rank, c.hidden, message_layout(c).bytes);
 }
 
+CudaReservation cuda_reservation(const BufferConfig& c, int num_ranks) {
+    return cuda_reservation_of(num_ranks, c.max_tokens_per_rank, c.num_topk, c.hidden, message_layout(c).bytes,
+                               kStagingBudgetBytes);
+}
+
 std::string describe_bad_route(const RouteStatus& b, int rank, int num_experts) {
     if (b.kind == kRouteOutOfRange)
         return cat("invalid expert id at rank ", rank, ", token ", b.token, ", k=", b.k, ": value ", b.value,
@@ -61,6 +66,9 @@ std::string peer_fault_message(const PeerFault& f, int rank) {
             break;
         case kPeerToken:
             what = cat("a source token ", f.value, " outside [0, ", f.limit, ")");
+            break;
+        case kPeerSlot:
+            what = cat("a combine slot range ending at ", f.value, " beyond the origin's ", f.limit, " slots");
             break;
         default:
             what = cat("an unknown fault (kind ", f.kind, ")");

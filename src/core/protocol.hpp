@@ -143,6 +143,7 @@ enum PeerFaultKind : int32_t {
     kPeerPosition = 3,     // a route's position outside its expert's count
     kPeerExpertId = 4,     // an expert id outside [-1, E)
     kPeerToken = 5,        // a source token outside [0, C)
+    kPeerSlot = 6,         // a combine slot range (base + count) beyond the origin's C * min(K, R) slots
 };
 
 struct PeerFault {
@@ -173,6 +174,72 @@ ELASTICEP_HD Reservation reservation_of(int num_ranks, int capacity, int hidden,
     return Reservation{slots * message_bytes, slots * hidden * 2, int64_t{capacity} * hidden * 2};
 }
 Reservation reservation(const BufferConfig& config, int num_ranks);
+
+// The CUDA backend's reservation (docs/PERFORMANCE.md, "Memory"), by part (bytes). It does not grow
+// with R x C for host-sync calls:
+//   staged path (peers in other processes or on other GPUs): the window holds a ring of S message
+//     slots per sender, S = staging_ring_slots (all C when R * C slots fit kStagingBudgetBytes, else
+//     fewer; a host-sync call whose busiest (sender, receiver) pair has more than S messages streams
+//     through the ring in rounds), and compact combine slots: one bf16 row per message this rank SENT
+//     (at most C * min(K, R)), written by the expert holders. A graph-mode call cannot stream (no host
+//     in the loop), so the first one on a buffer with S < C grows the ring to C slots (a collective
+//     point, like the first call of a layout): graph_extension more bytes, kept until the buffer dies.
+//   direct path (every rank a thread of this process on this GPU): senders write rows straight into
+//     the receivers' outputs and origins read the expert outputs in place: no slots at all.
+//   both: the workspace (route tables: R * C * K * 8 bytes for the staged path's received routes,
+//     C * K * 12 (staged) or C * K * 20 (direct) for a rank's own routes) and the buffer-owned combine
+//     output (C * H * 2).
+inline constexpr int64_t kStagingBudgetBytes = int64_t{1} << 30;  // a window's message ring, per rank
+inline constexpr int kMinRingSlots = 64;                          // the ring never shrinks below this (or C)
+
+// Window bytes of one message slot: the message and its route-position row.
+ELASTICEP_HD int64_t ring_slot_bytes(int num_topk, int message_bytes) {
+    return int64_t{message_bytes} + int64_t{num_topk} * 4;
+}
+
+// Message slots per sender in the staged window (S above). `budget` is kStagingBudgetBytes unless a
+// test overrides it.
+ELASTICEP_HD int staging_ring_slots(int num_ranks, int capacity, int num_topk, int message_bytes, int64_t budget) {
+    const int64_t per_slot = int64_t{num_ranks} * ring_slot_bytes(num_topk, message_bytes);
+    int64_t s = per_slot > 0 ? budget / per_slot : capacity;
+    if (s < kMinRingSlots) s = kMinRingSlots;
+    return s < capacity ? static_cast<int>(s) : capacity;
+}
+
+// Combine slots of an origin: one per message it sends, at most C * min(K, R).
+ELASTICEP_HD int64_t combine_slot_rows(int num_ranks, int capacity, int num_topk) {
+    return int64_t{capacity} * (num_topk < num_ranks ? num_topk : num_ranks);
+}
+
+struct CudaReservation {
+    int ring;                 // S: message slots per sender
+    int64_t dispatch_ring;    // R * S * (message + K * 4)
+    int64_t combine_slots;    // C * min(K, R) * H * 2
+    int64_t route_tables;     // staged: R * C * K * 8 + C * K * 12
+    int64_t combine_out;      // C * H * 2
+    int64_t graph_extension;  // R * (C - S) * (message + K * 4): the first graph-mode call adds it (0 when S == C)
+    int64_t direct;           // the direct path's whole reservation: C * K * 20 + combine output
+
+    ELASTICEP_HD int64_t staged() const { return dispatch_ring + combine_slots + route_tables + combine_out; }
+    ELASTICEP_HD int64_t staged_graph_mode() const { return staged() + graph_extension; }
+};
+
+// The arithmetic of the figures above (flags, counts and 256-byte alignment, a few KB, not included).
+ELASTICEP_HD CudaReservation cuda_reservation_of(int num_ranks, int capacity, int num_topk, int hidden,
+                                                 int message_bytes, int64_t budget) {
+    CudaReservation r{};
+    r.ring = staging_ring_slots(num_ranks, capacity, num_topk, message_bytes, budget);
+    const int64_t slot = ring_slot_bytes(num_topk, message_bytes);
+    r.dispatch_ring = int64_t{num_ranks} * r.ring * slot;
+    r.combine_slots = combine_slot_rows(num_ranks, capacity, num_topk) * hidden * 2;
+    const int64_t own_routes = int64_t{capacity} * num_topk;
+    r.route_tables = int64_t{num_ranks} * capacity * num_topk * 8 + own_routes * 12;
+    r.combine_out = int64_t{capacity} * hidden * 2;
+    r.graph_extension = int64_t{num_ranks} * (capacity - r.ring) * slot;
+    r.direct = own_routes * 20 + r.combine_out;
+    return r;
+}
+CudaReservation cuda_reservation(const BufferConfig& config, int num_ranks);
 
 // ---------------------------------------------------------------------------------------------
 // Error texts (one wording for every backend)

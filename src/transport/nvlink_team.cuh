@@ -21,6 +21,9 @@
 //        kTimedOut once the deadline passed instead of spinning forever. Flags only grow (epochs).
 //   static void fence()
 //        System-scope fence: orders this thread's earlier writes (cumulatively) before its later ones.
+// A load/store team whose peers all share this rank's GPU (the CUDA backend's direct path) may use
+// the same operations at GPU scope, which is all that same-GPU peers need (no system-scope fence):
+//   signal_gpu, peek_gpu, wait_gpu, static fence_gpu()   as above with .gpu instead of .sys
 #pragma once
 
 #include <cstdint>
@@ -55,6 +58,16 @@ __device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // Peers are GPUs of one node (or ranks sharing a GPU): every window is mapped into this rank's
 // address space, so a put is a store and a signal is a release store.
 struct NvlinkTeam {
@@ -81,6 +94,22 @@ struct NvlinkTeam {
         return WaitStatus::kOk;
     }
     __device__ __forceinline__ static void fence() { __threadfence_system(); }
+
+    // GPU scope, for peers known to share this GPU (see the header comment)
+    __device__ __forceinline__ void signal_gpu(int peer, int64_t offset, uint64_t value) const {
+        st_release_gpu(reinterpret_cast<uint64_t*>(window(peer) + offset), value);
+    }
+    __device__ __forceinline__ uint64_t peek_gpu(int64_t offset) const {
+        return ld_acquire_gpu(reinterpret_cast<const uint64_t*>(self() + offset));
+    }
+    __device__ __forceinline__ WaitStatus wait_gpu(int64_t offset, uint64_t value, const Deadline& deadline) const {
+        while (peek_gpu(offset) < value) {
+            if (deadline.expired()) return peek_gpu(offset) >= value ? WaitStatus::kOk : WaitStatus::kTimedOut;
+            __nanosleep(32);
+        }
+        return WaitStatus::kOk;
+    }
+    __device__ __forceinline__ static void fence_gpu() { __threadfence(); }
 };
 
 }  // namespace elasticep::transport

@@ -19,6 +19,7 @@
 
 #include "common/device_guarded.hpp"
 #include "common/peer_forgeries.hpp"
+#include "common/scoped_env.hpp"
 #include "gpu_harness.hpp"
 
 namespace eptest {
@@ -1195,6 +1196,9 @@ TEST(CudaBadInput, ViewsOfBufferOwnedOutputsStayValid) {
 
 TEST(CudaBadInput, ForgedPeerDataIsAStickyFaultNamingTheSender) {
     ELASTICEP_SKIP_WITHOUT_GPU();
+    // the forger plays a sender of the staged protocol (ranks sharing a GPU in one process take the
+    // direct path by default, which has no published messages to forge)
+    const ScopedEnv staged("ELASTICEP_KERNEL_VARIANT", "staged");
     const BufferConfig cfg = forge_config();
     const std::vector<RankData> data = forge_inputs();
     Pair p;

@@ -19,21 +19,28 @@ void launch_publish(const CombineParams& p, cudaStream_t stream) {
     ELASTICEP_CUDA_CHECK_LAUNCH();
 }
 
-void launch_reduce(const CombineParams& p, bool bias, int grid, cudaStream_t stream) {
-    with_constants([&](auto b) { kernels::reduce_kernel<Team, b()><<<grid, kernels::kThreads, 0, stream>>>(p); },
-                   BoolChoice{bias});
+void launch_reduce(const CombineParams& p, bool bias, bool nodes, int grid, cudaStream_t stream) {
+    with_constants(
+        [&](auto b, auto n) { kernels::reduce_kernel<Team, b(), n()><<<grid, kernels::kThreads, 0, stream>>>(p); },
+        BoolChoice{bias}, BoolChoice{nodes});
     ELASTICEP_CUDA_CHECK_LAUNCH();
+}
+
+void launch_reduce(const CombineParams& p, bool bias, int grid, cudaStream_t stream) {
+    launch_reduce(p, bias, p.shape.node_level(), grid, stream);
 }
 
 void load_combine_kernels() {
     cudaFuncAttributes attr{};
     ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::publish_kernel<Team>));
     kernels::for_all_constants(
-        [&](auto flag) {
-            ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::partial_kernel<Team, flag()>));
-            ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::reduce_kernel<Team, flag()>));
-        },
+        [&](auto flag) { ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::partial_kernel<Team, flag()>)); },
         BoolChoice{});
+    kernels::for_all_constants(
+        [&](auto b, auto n) {
+            ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::reduce_kernel<Team, b(), n()>));
+        },
+        BoolChoice{}, BoolChoice{});
 }
 
 }  // namespace elasticep::detail::cuda

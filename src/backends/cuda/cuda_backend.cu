@@ -11,10 +11,19 @@
 //   backends/cuda/peer_watch.hpp         host waits, timeouts and their diagnosis
 //   backends/cuda/host_records.hpp       the host-mapped record
 //
-// One call, on the caller's stream (or the buffer's own non-blocking stream, synchronously):
-//   dispatch: plan -> send -> exchange (publish + bounded wait) -> [host_sync: D2H read of M and
-//             the status word] -> expand.  Graph mode reads nothing on the host.
-//   combine:  partial (holder writes into origin) -> publish (bounded wait) -> reduce (origin).
+// Two paths (docs/PERFORMANCE.md, "Two paths"; ELASTICEP_KERNEL_VARIANT = auto | staged | direct,
+// read when the buffer is built; auto = direct where it applies):
+//   direct  every rank a thread of this process on this GPU: senders write rows straight into the
+//           receivers' outputs, origins read the holders' y in place (src/kernels/intranode/direct.cuh).
+//           dispatch: [plan, unless the kernel plans itself] -> direct dispatch (publish, tables,
+//           move, finish).  combine: direct combine (publish, move, finish).
+//   staged  everything else (peers in other processes or on other GPUs): one call, on the caller's
+//           stream (or the buffer's own non-blocking stream, synchronously):
+//           dispatch: plan -> send -> exchange (publish + bounded wait) -> [host_sync: D2H read of M,
+//             the status word and the rounds] -> expand, then for every further round r (a host-sync
+//             call whose busiest pair has more than S messages): round -> send(r) -> round -> expand(r).
+//             Graph mode reads nothing on the host (and has one round: its ring holds C slots).
+//           combine: partial (holder writes into origin) -> publish (bounded wait) -> reduce (origin).
 // The epoch lives on the device, so a captured graph replays with fresh epochs.
 // stream == nullptr: the call runs on the buffer's own non-blocking stream and synchronises it
 // before returning. Buffer-owned outputs are allocated (stream-ordered) at the first call of each
@@ -36,6 +45,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <string>
@@ -49,8 +60,10 @@
 #include "backends/cuda/peer_watch.hpp"
 #include "core/backend.hpp"
 #include "core/check.hpp"
+#include "core/outputs.hpp"
 #include "core/protocol.hpp"
 #include "kernels/common/cuda_check.hpp"
+#include "kernels/intranode/direct.cuh"
 #include "transport/device_pool.hpp"
 #include "transport/symmetric_memory.hpp"
 
@@ -61,7 +74,21 @@ using kernels::HostRecord;
 using kernels::RegionLayout;
 using kernels::Workspace;
 
-kernels::Shape make_shape(const BufferConfig& c, int num_ranks) {
+// The staging budget of the window's message ring (kStagingBudgetBytes; ELASTICEP_STAGING_BYTES
+// overrides it, for tests that make a small ring stream in rounds). Every rank must agree: checked.
+int64_t staging_budget() {
+    if (const char* v = std::getenv("ELASTICEP_STAGING_BYTES"); v && *v) {
+        char* end = nullptr;
+        const long long b = std::strtoll(v, &end, 10);
+        ELASTICEP_CHECK(end && *end == '\0' && b > 0, ErrorCode::kInvalidArgument, "ELASTICEP_STAGING_BYTES=", v,
+                        " is not a positive byte count; unset it or give one");
+        return b;
+    }
+    return kStagingBudgetBytes;
+}
+
+// `ring`: the staged window's slots per sender (0: C); `direct`: the direct path's layout.
+kernels::Shape make_shape(const BufferConfig& c, int num_ranks, int ring = 0, bool direct = false) {
     kernels::Shape s{};
     s.num_ranks = num_ranks;
     s.num_experts = c.num_experts;
@@ -70,7 +97,52 @@ kernels::Shape make_shape(const BufferConfig& c, int num_ranks) {
     s.hidden = c.hidden;
     s.capacity = c.max_tokens_per_rank;
     s.msg = message_layout(c);
+    s.ring = ring;
+    s.ranks_per_node = c.ranks_per_node > 0 && c.ranks_per_node < num_ranks ? c.ranks_per_node : 0;
+    s.direct = direct;
     return s;
+}
+
+int ring_of(const BufferConfig& c, int num_ranks, int64_t budget) {
+    return staging_ring_slots(num_ranks, c.max_tokens_per_rank, c.num_topk, message_layout(c).bytes, budget);
+}
+
+// The kernel path of a buffer: the same answer on every rank (the placement comes from one
+// all_gather, the variant from the environment, which the build checks every rank agrees on).
+struct PathChoice {
+    bool direct = false;
+    std::string why;  // why not direct
+};
+
+// ELASTICEP_KERNEL_VARIANT: auto, staged or direct; unset: kDefaultKernelVariant (auto takes the direct
+// path wherever it applies: docs/perf/NOTES.md has the measurements behind the choice).
+constexpr const char* kDefaultKernelVariant = "auto";
+
+std::string kernel_variant() {
+    std::string variant = kDefaultKernelVariant;
+    if (const char* v = std::getenv("ELASTICEP_KERNEL_VARIANT"); v && *v) variant = v;
+    ELASTICEP_CHECK(variant == "auto" || variant == "staged" || variant == "direct", ErrorCode::kInvalidArgument,
+                    "ELASTICEP_KERNEL_VARIANT=", variant, " is not one of auto, staged, direct; unset it or pick one");
+    return variant;
+}
+
+PathChoice choose_path(const std::string& variant, const BufferConfig& c, const transport::Placement& where,
+                       int num_ranks) {
+    PathChoice p;
+    if (variant == "staged")
+        p.why = "ELASTICEP_KERNEL_VARIANT=staged";
+    else if (!where.one_process || where.remote_gpu)
+        p.why = "the direct path needs every rank as a thread of this process on this GPU";
+    else if (num_ranks > kernels::kDirectMaxRanks)
+        p.why = cat(num_ranks, " ranks exceed the direct path's ", kernels::kDirectMaxRanks);
+    else if (c.num_experts > kernels::kDirectMaxExperts)
+        p.why = cat(c.num_experts, " experts exceed the direct path's ", kernels::kDirectMaxExperts);
+    else
+        p.direct = true;
+    if (variant == "direct" && !p.direct && where.rank == 0)
+        std::fprintf(stderr, "[elasticep] ELASTICEP_KERNEL_VARIANT=direct: using the staged path (%s)\n",
+                     p.why.c_str());
+    return p;
 }
 
 kernels::SendPayload send_payload(const BufferConfig& c, bool prequantized) {
@@ -98,6 +170,7 @@ class CudaBackend final : public BackendBuffer {
  public:
     explicit CudaBackend(const BackendContext& ctx)
         : cfg_(ctx.config),
+          group_(ctx.group),
           rank_(ctx.rank),
           num_ranks_(ctx.num_ranks),
           e_local_(cfg_.num_experts / ctx.num_ranks),
@@ -107,10 +180,14 @@ class CudaBackend final : public BackendBuffer {
         // the first exchange (Placement::gather), so every rank raises at the same point.
         std::exception_ptr failure;
         int device_sms = 1;
+        int64_t budget = kStagingBudgetBytes;
+        std::string variant = "auto";
         try {
             ELASTICEP_CHECK(e_local_ <= kMaxLocalExperts, ErrorCode::kUnsupported, "the CUDA backend supports at most ",
                             "kMaxLocalExperts=", kMaxLocalExperts, " local experts per rank; this config has ",
                             e_local_);
+            budget = staging_budget();
+            variant = kernel_variant();
             if (cfg_.device >= 0)
                 dev_ = cfg_.device;
             else
@@ -125,11 +202,8 @@ class CudaBackend final : public BackendBuffer {
             // passes the last one (the front end's), it may launch kernels that wait for this rank.
             cuda::load_dispatch_kernels();
             cuda::load_combine_kernels();
-            const int64_t ws_bytes = Workspace::carve(shape_, nullptr).bytes;
-            ws_ptr_ = transport::pool_alloc(static_cast<size_t>(ws_bytes), dev_, own_stream_);
-            ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, static_cast<size_t>(ws_bytes), own_stream_));
-            ws_ = Workspace::carve(shape_, ws_ptr_);
-            ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.first_bad_route, 0xff, sizeof(*ws_.first_bad_route), own_stream_));
+            cuda::load_direct_kernels();
+            direct_blocks_per_sm_ = cuda::direct_blocks_per_sm();
             outputs_ = std::make_unique<cuda::DeviceOutputs>(cfg_, num_ranks_, rank_, dev_, own_stream_);
             record_ = std::make_unique<cuda::HostRecordLease>();
         } catch (...) {
@@ -137,11 +211,38 @@ class CudaBackend final : public BackendBuffer {
         }
 
         try {
-            // who is where, then the symmetric receive window of every rank (collective)
+            // who is where, then the path and the ring (every rank must agree), then the symmetric
+            // receive window of every rank (collective), then this rank's workspace
             const transport::Placement where = transport::Placement::gather(*ctx.group, rank_, dev_, failure);
             launch_ = cuda::LaunchConfig::choose(cfg_, where, device_sms);
+            const PathChoice path = choose_path(variant, cfg_, where, num_ranks_);
+            const int ring = path.direct ? 0 : ring_of(cfg_, num_ranks_, budget);
+            struct Agree {
+                int32_t direct, ring;
+            };
+            const auto all = ctx.group->all_gather_value(Agree{path.direct ? 1 : 0, ring});
+            for (size_t q = 0; q < all.size(); ++q)
+                ELASTICEP_CHECK(all[q].direct == all[0].direct && all[q].ring == all[0].ring, ErrorCode::kInternal,
+                                "CUDA backend: rank ", q, " chose ", all[q].direct ? "the direct" : "the staged",
+                                " path with a ring of ", all[q].ring, " slots, rank 0 ",
+                                all[0].direct ? "the direct" : "the staged", " path with ", all[0].ring,
+                                "; every rank must see the same ELASTICEP_KERNEL_VARIANT and ELASTICEP_STAGING_BYTES");
+            direct_ = path.direct;
+            // the direct kernels' grids wait for each other: every block of every rank of this GPU
+            // must be resident at once, so a rank uses at most its share of the SMs
+            if (direct_) grid_sms_ = std::min(launch_.num_sms, std::max(1, device_sms / where.ranks_on_my_gpu));
+            shape_ = make_shape(cfg_, num_ranks_, ring, direct_);
+            region_ = RegionLayout::make(shape_);
             window_ = std::make_unique<transport::SymmetricMemory>(*ctx.group, where,
                                                                    static_cast<size_t>(region_.bytes), own_stream_);
+            where_ = where;
+            // after the last collective: a failure here is heard through the front end's agreement
+            const int64_t ws_bytes = Workspace::carve(shape_, nullptr).bytes;
+            ws_ptr_ = transport::pool_alloc(static_cast<size_t>(ws_bytes), dev_, own_stream_);
+            ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, static_cast<size_t>(ws_bytes), own_stream_));
+            ws_ = Workspace::carve(shape_, ws_ptr_);
+            ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.first_bad_route, 0xff, sizeof(*ws_.first_bad_route), own_stream_));
+            ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
             watch_ = std::make_unique<cuda::PeerWatch>(rank_, num_ranks_, cfg_.timeout, region_, *window_,
                                                        record_->host(), ws_, own_stream_);
         } catch (...) {
@@ -177,7 +278,10 @@ class CudaBackend final : public BackendBuffer {
     void set_dispatch_forger(testing::DispatchForger forger) override { forger_ = std::move(forger); }
 
     Device device() const override { return Device{DeviceType::kCUDA, dev_}; }
-    size_t reserved_bytes() const override { return cuda_reservation_bytes(cfg_, num_ranks_); }
+    size_t reserved_bytes() const override {
+        return static_cast<size_t>(region_.bytes + ws_.bytes) +
+               static_cast<size_t>(reservation(cfg_, num_ranks_).combine_out);
+    }
 
     std::vector<int64_t> expert_load() override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
@@ -217,6 +321,11 @@ class CudaBackend final : public BackendBuffer {
         ELASTICEP_CHECK_ARG(contiguous || int64_t{e_local_} * shape_.slots() < (int64_t{1} << 31),
                             "dispatch: the masked layout has E_local * R * C = ", int64_t{e_local_} * shape_.slots(),
                             " rows, beyond int32 row indices; lower max_tokens_per_rank or use the contiguous layout");
+        const bool capturing = is_capturing(stream);
+        ELASTICEP_CHECK_ARG(!(capturing && a.host_sync),
+                            "dispatch: host_sync=true cannot be captured in a CUDA graph (it reads the row count on "
+                            "the host); pass host_sync=false (graph mode) while capturing");
+        if (!a.host_sync) grow_ring_for_graph_mode(stream, capturing);
 
         cuda::DispatchParams p{};
         fill_common(p, t_count);
@@ -237,11 +346,10 @@ class CudaBackend final : public BackendBuffer {
         const cuda::DispatchModes modes{send_payload(cfg_, req.prequantized), a.topk_idx.dtype == DType::kInt64,
                                         contiguous};
 
-        const bool capturing = is_capturing(stream);
-        ELASTICEP_CHECK_ARG(!(capturing && a.host_sync),
-                            "dispatch: host_sync=true cannot be captured in a CUDA graph (it reads the row count on "
-                            "the host); pass host_sync=false (graph mode) while capturing");
         ELASTICEP_CHECK_ARG(!(capturing && forger_), "dispatch: a test's dispatch forger cannot run while capturing");
+        ELASTICEP_CHECK(!(direct_ && forger_), ErrorCode::kUnsupported,
+                        "dispatch: a test's dispatch forger plays a sender of the staged protocol; build the buffer "
+                        "with ELASTICEP_KERNEL_VARIANT=staged");
         const cuda::DispatchTargets out = outputs_->dispatch_targets(a, req.rows_cap, capturing, stream);
         p.recv_x = out.recv_x;
         p.recv_weights = out.recv_weights;
@@ -249,25 +357,73 @@ class CudaBackend final : public BackendBuffer {
         p.recv_scales = out.recv_scales;
         p.m_indices = out.m_indices;
 
-        const int grid = 2 * launch_.num_sms;
-        cuda::launch_plan(p, modes, stream);
-        cuda::launch_send(p, modes, grid, stream);
-        // a test playing a sender that breaks the protocol (core/testing.hpp)
-        if (forger_) cuda::forge_outgoing(forger_, rank_, shape_, region_, window_->windows(), ws_, stream);
-        meet_peers([&] { cuda::launch_exchange(p, modes, stream); }, p, stream, capturing, kPhaseDispatch);
-
         int64_t rows_out = contiguous ? req.rows_cap : shape_.slots();
-        if (p.host_sync) {
-            ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
-            watch_->raise_faults();
-            const volatile HostRecord* r = record_->host();
-            if (r->bad_sender >= 0) {
-                const RouteStatus b{r->bad.kind, r->bad.token, r->bad.k, r->bad.dup_of, r->bad.value, r->bad.sticky, 0};
-                raise(ErrorCode::kInvalidArgument, rejected_dispatch_message(b, r->bad_sender, cfg_.num_experts));
+        int rounds = 1;
+        if (direct_) {
+            // the receivers' scale strides before the counts are known (MN-major buffer-owned
+            // contiguous scales with host sync depend on M: the senders derive them on the device)
+            p.num_rows_out = rows_out;
+            if (fp8) {
+                const auto cap = dispatch_output_specs(cfg_, num_ranks_, a.layout, req.rows_cap, a.scales_mn_major);
+                const auto& st = cap.recv_scales->strides;
+                p.recv_scale_strides =
+                    contiguous ? kernels::ScaleStrides{0, st[0], st[1]} : kernels::ScaleStrides{st[0], st[1], st[2]};
+                p.scales_mn_dynamic = contiguous && a.scales_mn_major && a.host_sync && !a.outputs.recv_scales;
             }
-            if (contiguous) rows_out = r->num_rows;
+            run_direct([&](int grid) { cuda::launch_direct_dispatch(p, modes, grid, stream); }, p, stream, capturing,
+                       kPhaseDispatch, region_.plan_flags, region_.sent_flags, 1, true);
+            if (p.host_sync) {
+                ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
+                watch_->raise_faults();
+                const volatile HostRecord* r = record_->host();
+                if (r->bad_sender >= 0) {
+                    const RouteStatus b{r->bad.kind,  r->bad.token,  r->bad.k, r->bad.dup_of,
+                                        r->bad.value, r->bad.sticky, 0};
+                    raise(ErrorCode::kInvalidArgument, rejected_dispatch_message(b, r->bad_sender, cfg_.num_experts));
+                }
+                if (contiguous) rows_out = r->num_rows;
+            }
+            outputs_->bind_dispatch(a, out, req.rows_cap, rows_out, result);
+        } else {
+            const int grid = 2 * launch_.num_sms;
+            p.round = 0;
+            cuda::launch_plan(p, modes, stream);
+            cuda::launch_send(p, modes, grid, stream);
+            // a test playing a sender that breaks the protocol (core/testing.hpp)
+            if (forger_) cuda::forge_outgoing(forger_, rank_, shape_, region_, window_->windows(), ws_, stream);
+            meet_peers([&] { cuda::launch_exchange(p, modes, stream); }, p, stream, capturing,
+                       [&] { watch_->host_wait(stream, kPhaseDispatch); });
+            if (p.host_sync) {
+                ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
+                watch_->raise_faults();
+                const volatile HostRecord* r = record_->host();
+                if (r->bad_sender >= 0) {
+                    const RouteStatus b{r->bad.kind,  r->bad.token,  r->bad.k, r->bad.dup_of,
+                                        r->bad.value, r->bad.sticky, 0};
+                    raise(ErrorCode::kInvalidArgument, rejected_dispatch_message(b, r->bad_sender, cfg_.num_experts));
+                }
+                if (contiguous) rows_out = r->num_rows;
+                rounds = r->num_rounds;
+                ELASTICEP_INTERNAL(rounds >= 1 && rounds <= ceil_div(cfg_.max_tokens_per_rank, region_.ring),
+                                   "dispatch: the exchange reported ", rounds, " rounds");
+            }
+            outputs_->bind_dispatch(a, out, req.rows_cap, rows_out, result);
+            p.num_rows_out = rows_out;
+            if (fp8) {
+                const auto& st = result.recv_scales->strides;
+                p.recv_scale_strides =
+                    contiguous ? kernels::ScaleStrides{0, st[0], st[1]} : kernels::ScaleStrides{st[0], st[1], st[2]};
+            }
+            cuda::launch_expand(p, modes, grid, stream);
+            // further rounds through the ring: free (every rank expanded), fill (send), read (expand)
+            for (int r = 1; r < rounds; ++r) {
+                p.round = r;
+                round_barrier(p, 2 * r - 1, stream);
+                cuda::launch_send(p, modes, grid, stream);
+                round_barrier(p, 2 * r, stream);
+                cuda::launch_expand(p, modes, grid, stream);
+            }
         }
-        outputs_->bind_dispatch(a, out, req.rows_cap, rows_out, result);
         const Device dev = device();
         result.counts = TensorRef::contiguous(ws_.counts, DType::kInt32, {e_local_}, dev);
         if (contiguous) {
@@ -276,13 +432,6 @@ class CudaBackend final : public BackendBuffer {
         } else {
             result.masked_m = result.counts;
         }
-        p.num_rows_out = rows_out;
-        if (fp8) {
-            const auto& st = result.recv_scales->strides;
-            p.recv_scale_strides =
-                contiguous ? kernels::ScaleStrides{0, st[0], st[1]} : kernels::ScaleStrides{st[0], st[1], st[2]};
-        }
-        cuda::launch_expand(p, modes, grid, stream);
         finish(stream, a.stream == nullptr, capturing);
         handle.num_sms = launch_.num_sms;
         handle.backend_data = nullptr;
@@ -311,11 +460,19 @@ class CudaBackend final : public BackendBuffer {
         ELASTICEP_CHECK_ARG(
             reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_row_stride % 8 == 0,
             "combine: out rows must be 16-byte aligned for the CUDA backend (row stride a multiple of 8)");
-        const int grid = 2 * (handle.num_sms > 0 ? handle.num_sms : launch_.num_sms);
-        cuda::launch_partial(p, args.weighted, grid, stream);
+        p.weighted = args.weighted;
         const bool capturing = is_capturing(stream);
-        meet_peers([&] { cuda::launch_publish(p, stream); }, p, stream, capturing, kPhaseCombine);
-        cuda::launch_reduce(p, p.bias != nullptr, grid, stream);
+        const bool nodes = shape_.node_level();
+        if (direct_) {
+            run_direct([&](int grid) { cuda::launch_direct_combine(p, nodes, grid, stream); }, p, stream, capturing,
+                       kPhaseCombine, region_.ready_flags, region_.done_flags, 0, false);
+        } else {
+            const int grid = 2 * (handle.num_sms > 0 ? handle.num_sms : launch_.num_sms);
+            cuda::launch_partial(p, args.weighted, grid, stream);
+            meet_peers([&] { cuda::launch_publish(p, stream); }, p, stream, capturing,
+                       [&] { watch_->host_wait(stream, kPhaseCombine); });
+            cuda::launch_reduce(p, p.bias != nullptr, nodes, grid, stream);
+        }
         finish(stream, args.stream == nullptr, capturing);
         if (args.stream == nullptr) watch_->raise_faults();
         return out;
@@ -331,6 +488,7 @@ class CudaBackend final : public BackendBuffer {
         p.timeout_ns = timeout_ns(cfg_.timeout);
         p.sync_mode = kernels::kDevice;
         p.num_tokens = static_cast<int>(num_tokens);
+        p.step = 0;
     }
 
     static bool is_capturing(cudaStream_t stream) {
@@ -341,18 +499,80 @@ class CudaBackend final : public BackendBuffer {
 
     // Launches the one-block kernel that publishes this rank's epoch and waits for the peers'.
     // With host waits (never inside a capture) it runs twice: publish only, the host waits on the
-    // flags, then a wait-only launch that finds them set. `launch` launches the kernel with `p` as it
-    // is at the time of the call.
-    template <class Launch>
+    // flags (`host_wait`), then a wait-only launch that finds them set. `launch` launches the kernel
+    // with `p` as it is at the time of the call.
+    template <class Launch, class HostWait>
     void meet_peers(Launch&& launch, kernels::CallParams<cuda::Team>& p, cudaStream_t stream, bool capturing,
-                    int32_t phase) {
+                    HostWait&& host_wait) {
         if (launch_.host_waits && !capturing) {
             p.sync_mode = kernels::kPublishOnly;
             launch();
-            watch_->host_wait(stream, phase);
+            host_wait();
             p.sync_mode = kernels::kWaitOnly;
         }
         launch();
+        p.sync_mode = kernels::kDevice;
+        (void)stream;
+    }
+
+    // One round step of a host-sync call with more than one round (round_kernel).
+    void round_barrier(cuda::DispatchParams& p, int step, cudaStream_t stream) {
+        p.step = step;
+        meet_peers([&] { cuda::launch_round(p, stream); }, p, stream, false,
+                   [&] {
+                       watch_->host_wait_words(stream, kPhaseDispatch, region_.round_flags, 0, kernels::kRoundShift,
+                                               static_cast<uint64_t>(step));
+                   });
+        p.step = 0;
+    }
+
+    // A direct kernel: one launch with device waits, or, with host waits (never inside a capture),
+    // publish (one block, or the whole grid when the publish step plans: `grid_publishes`) -> host
+    // wait for the first flags -> move -> host wait for the second -> finish (one block).
+    // `epoch_delta`: the flags carry ws.epoch + 1 (dispatch) or ws.epoch (combine).
+    template <class Launch>
+    void run_direct(Launch&& launch, kernels::CallParams<cuda::Team>& p, cudaStream_t stream, bool capturing,
+                    int32_t phase, int64_t first_flags, int64_t second_flags, uint64_t epoch_delta,
+                    bool grid_publishes) {
+        const int grid = grid_sms_ * direct_blocks_per_sm_;
+        if (launch_.host_waits && !capturing) {
+            p.step = kernels::kStepPublish;
+            launch(grid_publishes ? grid : 1);
+            watch_->host_wait_words(stream, phase, first_flags, epoch_delta);
+            p.step = kernels::kStepMove;
+            launch(grid);
+            watch_->host_wait_words(stream, phase, second_flags, epoch_delta);
+            p.step = kernels::kStepFinish;
+            launch(1);
+        } else {
+            p.step = kernels::kStepAll;
+            launch(grid);
+        }
+        p.step = 0;
+    }
+
+    // Graph-mode calls cannot stream through the ring in rounds (no host in the loop): the first one
+    // on a buffer whose ring holds fewer than C slots per sender rebuilds the window with all C
+    // (collective: every rank makes its first graph-mode dispatch at the same call, as the first
+    // call of a layout already must be made outside a capture).
+    void grow_ring_for_graph_mode(cudaStream_t stream, bool capturing) {
+        if (direct_ || shape_.ring_slots() >= shape_.capacity) return;
+        ELASTICEP_CHECK_ARG(!capturing,
+                            "dispatch: the first graph-mode dispatch (host_sync=false) of this buffer "
+                            "grows its receive window to max_tokens_per_rank slots per sender and cannot be "
+                            "captured; run one graph-mode dispatch and combine before capturing");
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+        sync_last();
+        const kernels::Shape full = make_shape(cfg_, num_ranks_, 0, false);
+        const RegionLayout region = RegionLayout::make(full);
+        auto window = std::make_unique<transport::SymmetricMemory>(*group_, where_, static_cast<size_t>(region.bytes),
+                                                                   own_stream_);
+        watch_ = std::make_unique<cuda::PeerWatch>(rank_, num_ranks_, cfg_.timeout, region, *window, record_->host(),
+                                                   ws_, own_stream_);
+        window_ = std::move(window);  // the old window: every kernel that addressed it has completed
+        shape_ = full;
+        region_ = region;
     }
 
     void finish(cudaStream_t stream, bool synchronous, bool capturing) {
@@ -367,11 +587,16 @@ class CudaBackend final : public BackendBuffer {
     }
 
     BufferConfig cfg_;
+    std::shared_ptr<Group> group_;
     int rank_, num_ranks_, e_local_;
     kernels::Shape shape_;
     RegionLayout region_;
     int dev_ = 0;
+    transport::Placement where_{};
     cuda::LaunchConfig launch_;
+    bool direct_ = false;
+    int grid_sms_ = 1;              // direct: SMs of this rank's grids (its share of the GPU)
+    int direct_blocks_per_sm_ = 1;  // direct: resident blocks per SM (occupancy calculator)
     cudaStream_t own_stream_ = nullptr;
     cudaEvent_t last_event_ = nullptr;
     bool has_event_ = false;
@@ -391,9 +616,12 @@ std::unique_ptr<BackendBuffer> make_cuda_backend(const BackendContext& ctx) {
 }
 
 size_t cuda_reservation_bytes(const BufferConfig& c, int num_ranks) {
-    // the symmetric window, the workspace and the combine output; buffer-owned dispatch outputs
-    // are allocated at the first call of each layout, for its worst case
-    const kernels::Shape shape = make_shape(c, num_ranks);
+    // the staged path's host-sync reservation (peers in other processes or on other GPUs: the
+    // general case): the window with its message ring, the workspace and the combine output. A
+    // graph-mode call adds the rest of the ring when it is shorter than C; the direct path (ranks of
+    // one process on one GPU) reserves less. Buffer-owned dispatch outputs are allocated at the first
+    // call of each layout, for its worst case. (docs/PERFORMANCE.md, "Memory"; `elasticep info`.)
+    const kernels::Shape shape = make_shape(c, num_ranks, ring_of(c, num_ranks, kStagingBudgetBytes), false);
     return static_cast<size_t>(RegionLayout::make(shape).bytes + Workspace::carve(shape, nullptr).bytes +
                                reservation(c, num_ranks).combine_out);
 }

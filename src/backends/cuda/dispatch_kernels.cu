@@ -41,8 +41,14 @@ void launch_expand(const DispatchParams& p, const DispatchModes& modes, int grid
     ELASTICEP_CUDA_CHECK_LAUNCH();
 }
 
+void launch_round(const DispatchParams& p, cudaStream_t stream) {
+    kernels::round_kernel<Team><<<1, kWarpSize, 0, stream>>>(p);
+    ELASTICEP_CUDA_CHECK_LAUNCH();
+}
+
 void load_dispatch_kernels() {
     cudaFuncAttributes attr{};
+    ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::round_kernel<Team>));
     kernels::for_all_constants(
         [&](auto idx64) {
             ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::plan_kernel<Team, idx64()>));

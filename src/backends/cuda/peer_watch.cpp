@@ -45,6 +45,28 @@ void PeerWatch::raise_if_peer_fault() const {
     raise(ErrorCode::kInternal, peer_fault_message(fault, rank_));
 }
 
+template <class Read>
+void PeerWatch::poll(int32_t phase, uint64_t expected, int shift, Read&& read) {
+    std::vector<uint64_t> seen(static_cast<size_t>(num_ranks_));
+    const auto start = std::chrono::steady_clock::now();
+    for (int spins = 0;; ++spins) {
+        read(seen);
+        const MissingPeers missing =
+            scan_missing([&](int q) { return seen[static_cast<size_t>(q)]; }, num_ranks_, expected);
+        if (missing.count == 0) return;
+        if (std::chrono::steady_clock::now() - start > timeout_) {
+            if (!timed_out()) {
+                record_->timeout_missing = missing;
+                record_->timeout_missing.observed = missing.observed >> shift;
+                record_->timeout_expected = expected >> shift;
+                reinterpret_cast<volatile int32_t*>(&record_->timeout_phase)[0] = phase;
+            }
+            raise_if_timed_out();
+        }
+        if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+}
+
 void PeerWatch::host_wait(cudaStream_t call_stream, int32_t phase) {
     ELASTICEP_CUDA_CALL(cudaStreamSynchronize(call_stream));
     uint64_t dev_epoch = 0;
@@ -58,33 +80,37 @@ void PeerWatch::host_wait(cudaStream_t call_stream, int32_t phase) {
     const size_t r = static_cast<size_t>(num_ranks_);
     const uint8_t* base = window_.local();
     std::vector<kernels::DispatchFlag> disp(phase == kPhaseDispatch ? 2 * r : 0);
-    std::vector<uint64_t> comb(phase == kPhaseCombine ? r : 0);
-    const auto start = std::chrono::steady_clock::now();
-    for (int spins = 0;; ++spins) {
+    poll(phase, epoch, 0, [&](std::vector<uint64_t>& seen) {
         if (phase == kPhaseDispatch)
             ELASTICEP_CUDA_CALL(cudaMemcpyAsync(disp.data(), base + region_.dispatch_flags,
                                                 disp.size() * sizeof(disp[0]), cudaMemcpyDeviceToHost, own_stream_));
         else
-            ELASTICEP_CUDA_CALL(cudaMemcpyAsync(comb.data(), base + region_.combine_flags, r * sizeof(comb[0]),
+            ELASTICEP_CUDA_CALL(cudaMemcpyAsync(seen.data(), base + region_.combine_flags, r * sizeof(uint64_t),
                                                 cudaMemcpyDeviceToHost, own_stream_));
         ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
-        const MissingPeers missing = scan_missing(
-            [&](int q) {
-                const size_t i = static_cast<size_t>(q);
-                return phase == kPhaseDispatch ? disp[2 * i + (epoch & 1)].epoch : comb[i];
-            },
-            num_ranks_, epoch);
-        if (missing.count == 0) return;
-        if (std::chrono::steady_clock::now() - start > timeout_) {
-            if (!timed_out()) {
-                record_->timeout_missing = missing;
-                record_->timeout_expected = epoch;
-                reinterpret_cast<volatile int32_t*>(&record_->timeout_phase)[0] = phase;
-            }
-            raise_if_timed_out();
-        }
-        if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
+        if (phase == kPhaseDispatch)
+            for (size_t i = 0; i < r; ++i) seen[i] = disp[2 * i + (epoch & 1)].epoch;
+    });
+}
+
+void PeerWatch::host_wait_words(cudaStream_t call_stream, int32_t phase, int64_t offset, uint64_t epoch_delta,
+                                int shift, uint64_t step) {
+    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(call_stream));
+    uint64_t dev_epoch = 0;
+    int32_t aborted = 0;
+    ELASTICEP_CUDA_CALL(cudaMemcpyAsync(&dev_epoch, ws_.epoch, sizeof(dev_epoch), cudaMemcpyDeviceToHost, own_stream_));
+    ELASTICEP_CUDA_CALL(
+        cudaMemcpyAsync(&aborted, &ws_.state->timed_out, sizeof(aborted), cudaMemcpyDeviceToHost, own_stream_));
+    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+    raise_if_timed_out();
+    if (aborted) return;  // an earlier wait of this call expired (recorded): nothing more is published
+    const uint64_t expected = ((dev_epoch + epoch_delta) << shift) | step;
+    const uint8_t* base = window_.local() + offset;
+    poll(phase, expected, shift, [&](std::vector<uint64_t>& seen) {
+        ELASTICEP_CUDA_CALL(
+            cudaMemcpyAsync(seen.data(), base, seen.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost, own_stream_));
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+    });
 }
 
 std::string PeerWatch::diagnose() const {
@@ -118,7 +144,24 @@ std::string PeerWatch::diagnose() const {
     for (size_t p = 0; p < listed; ++p) out += cat(" ", p, ":", disp[2 * p].epoch, "/", disp[2 * p + 1].epoch);
     out += more + "; combine epochs here per holder:";
     for (size_t p = 0; p < listed; ++p) out += cat(" ", p, ":", comb[p]);
-    return out + more;
+    out += more;
+    if (region_.plan_flags != region_.sent_flags) {  // the direct path's flags
+        std::vector<uint64_t> words(4 * r);
+        const int64_t offs[4] = {region_.plan_flags, region_.sent_flags, region_.ready_flags, region_.done_flags};
+        for (int i = 0; i < 4; ++i)
+            if (cudaMemcpy(words.data() + i * r, base + offs[i], r * sizeof(uint64_t), cudaMemcpyDeviceToHost) !=
+                cudaSuccess) {
+                cudaGetLastError();
+                return out + "; (direct flags unreadable)";
+            }
+        const char* names[4] = {"plan", "sent", "ready", "done"};
+        for (int i = 0; i < 4; ++i) {
+            out += cat("; direct ", names[i], " epochs per peer:");
+            for (size_t p = 0; p < listed; ++p) out += cat(" ", p, ":", words[i * r + p]);
+            out += more;
+        }
+    }
+    return out;
 }
 
 }  // namespace elasticep::detail::cuda

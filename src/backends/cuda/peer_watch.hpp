@@ -27,6 +27,11 @@ class PeerWatch {
     // After this rank's publish ran on `call_stream`: waits until every peer's flag of the call in
     // `phase` is in this rank's window; raises Timeout (recorded as the device wait records it).
     void host_wait(cudaStream_t call_stream, int32_t phase);
+    // The same for R words (one per peer, uint64) at `offset` of this rank's window: waits until each
+    // reaches `expected`, computed from the device's epoch word (calls completed) as
+    // (epoch + epoch_delta) << shift | step. Direct-path flags (shift 0) and round flags.
+    void host_wait_words(cudaStream_t call_stream, int32_t phase, int64_t offset, uint64_t epoch_delta, int shift = 0,
+                         uint64_t step = 0);
 
     bool timed_out() const;
     // Raises Timeout when a wait (device or host) of this buffer has expired.
@@ -44,6 +49,9 @@ class PeerWatch {
     // every sender's flags in this rank's window (read on the legacy stream, which does not wait for
     // the ranks' non-blocking streams).
     std::string diagnose() const;
+    // Polls `read` (fills `seen` with every peer's word) until every word reaches `expected`.
+    template <class Read>
+    void poll(int32_t phase, uint64_t expected, int shift, Read&& read);
 
     int rank_, num_ranks_;
     std::chrono::milliseconds timeout_;

@@ -1,6 +1,6 @@
 // Where every byte of a CUDA buffer lives, written once and used by host sizing, host carving and
 // device addressing alike (the idea of DeepEP's layout.cuh):
-//   Shape         the sizes of one buffer (from its config and rank count)
+//   Shape         the sizes of one buffer (from its config and rank count) and its path
 //   RegionLayout  one rank's symmetric window: what peers write into it. Described by OFFSETS, since
 //                 every rank addresses the same piece of many windows (team.window(peer) + offset)
 //   Workspace     one rank's local scratch: typed POINTERS carved from one allocation, since only this
@@ -8,6 +8,14 @@
 //   CallState     the named words a call's kernels pass to each other
 //   HostRecord    what the kernels report to the host, in host-mapped memory
 // Plain integers and pointers only: usable on the host (.cpp included) and in kernels.
+//
+// Two paths share these structs (docs/PERFORMANCE.md, "Two paths"):
+//   staged  messages go into a ring of `ring` slots per sender in the receiver's window, partials into
+//           the origin's compact combine slots (one per message the origin sent)
+//   direct  (Shape::direct: every rank a thread of one process on one GPU, so every rank can address
+//           every other rank's ordinary device memory) senders write rows straight into the receivers'
+//           outputs and origins read the holders' expert outputs in place; the window holds only
+//           flags and what each rank publishes for its peers to read (counts, output pointers).
 #pragma once
 
 #include <cstddef>
@@ -31,8 +39,17 @@ struct Shape {
     int hidden;             // H
     int capacity;           // C (max_tokens_per_rank)
     MessageLayout msg;      // one token on the wire
+    // Fields below default to the full staged layout when zero-initialised (Shape s{}).
+    int ring;            // staged: message slots per sender in the window; 0 = capacity (no streaming)
+    int ranks_per_node;  // P of the combine order (SEMANTICS.md, "Combine"); 0 = num_ranks (one node)
+    bool direct;         // the direct path: no message or partial slots in the window
 
     ELASTICEP_HD int64_t slots() const { return int64_t{num_ranks} * capacity; }  // R * C
+    ELASTICEP_HD int ring_slots() const { return ring > 0 && ring < capacity ? ring : capacity; }
+    ELASTICEP_HD int node_size() const { return ranks_per_node > 0 ? ranks_per_node : num_ranks; }
+    ELASTICEP_HD bool node_level() const { return node_size() < num_ranks; }
+    // compact combine slots of one origin: one per message it sends
+    ELASTICEP_HD int64_t combine_rows() const { return detail::combine_slot_rows(num_ranks, capacity, num_topk); }
 };
 
 // 256-byte aligned pieces of one allocation (or of a window), in declaration order.
@@ -56,45 +73,89 @@ struct DispatchFlag {
     uint64_t epoch;
     int64_t count;
     RouteStatus status;
-    uint64_t pad[2];
+    int64_t out_base;   // staged: the sender's first compact combine slot for this receiver's partials
+    int64_t max_count;  // staged: the sender's largest count to any receiver (the call's number of rounds)
 };
 static_assert(sizeof(DispatchFlag) == 64, "DispatchFlag is one 64-byte line");
 static_assert(offsetof(DispatchFlag, epoch) == 0, "signals address the flag's first word");
 
-// One rank's symmetric window. Peers write:
-//   dispatch_slots [R senders][C][msg.bytes]     messages, one per (sender, token) routed here
-//   route_pos      [R senders][C][K] int32       per route: its position among the sender's routes to
+// Direct path: where a receiver's dispatch outputs are, published in its own window for the senders
+// that write into them (pointers valid in this process), with its route status for the call.
+struct DirectOutputs {
+    uint8_t* recv_x;
+    uint32_t* recv_scales;
+    float* recv_weights;
+    int32_t* recv_src;
+    int32_t* m_indices;
+    int64_t scale_expert, scale_row, scale_column;  // element strides of recv_scales (ScaleStrides)
+    int32_t scales_mn_dynamic;  // contiguous MN-major buffer-owned scales with host sync: column stride
+                                // mn_major_stride(M of the receiver), known only after the counts
+    int32_t pad;
+    RouteStatus status;
+    uint64_t pad2[3];
+};
+static_assert(sizeof(DirectOutputs) == 128, "DirectOutputs is two 64-byte lines");
+
+// One rank's symmetric window. Peers write (staged path):
+//   dispatch_slots [R senders][S][msg.bytes]     messages, one per (sender, token) routed here; the
+//                                                sender's j-th message for this rank in slot j % S
+//                                                (S = ring: rounds of S messages when a host-sync call
+//                                                has more)
+//   route_pos      [R senders][S][K] int32       per route: its position among the sender's routes to
 //                                                the same local expert (t ascending); -1 elsewhere
 //   dispatch_flags [R senders][2 parities]       DispatchFlag
 //   expert_counts  [R senders][2][E_local] int32 the sender's route count per local expert
-//   combine_slots  [R holders][C][H] bf16        combine partials for this rank's own tokens
+//   combine_slots  [C * min(K, R)][H] bf16       the partial of every message this rank sent: its
+//                                                j-th message to holder d in row out_base[d] + j
 //   combine_flags  [R holders] uint64            the holder's combine epoch
+//   round_flags    [R] uint64                    staged rounds: a peer's progress (epoch << 20 | step)
+// and (direct path; the slots above are then empty):
+//   plan_flags  [R senders] uint64   the sender published its counts and outputs for the epoch
+//   sent_flags  [R senders] uint64   the sender wrote every row it sends here
+//   ready_flags [R holders] uint64   the holder's y pointer for the epoch is published
+//   done_flags  [R origins] uint64   the origin read every row it needs from this rank's y
+// and (direct path) what this rank publishes in its OWN window for its peers to read:
+//   published   [2 parities] DirectOutputs, counts [2][E] int32, y [2] pointer
 struct RegionLayout {
     int64_t dispatch_slots, route_pos, dispatch_flags, expert_counts, combine_slots, combine_flags;
+    int64_t round_flags;
+    int64_t plan_flags, sent_flags, ready_flags, done_flags, published, published_counts, published_y;
     int64_t bytes;
     // strides of the pieces
-    int32_t capacity, num_topk, num_local_experts, hidden, msg_bytes;
+    int32_t capacity, num_topk, num_local_experts, hidden, msg_bytes, ring, num_experts;
 
     ELASTICEP_HD static RegionLayout make(const Shape& s) {
         RegionLayout g{};
         Carver c{0};
-        const detail::Reservation slots = detail::reservation_of(s.num_ranks, s.capacity, s.hidden, s.msg.bytes);
-        g.dispatch_slots = c.take_bytes(slots.dispatch_slots);
-        g.route_pos = c.take_bytes(s.slots() * s.num_topk * 4);
-        g.dispatch_flags = c.take_bytes(int64_t{s.num_ranks} * 2 * static_cast<int64_t>(sizeof(DispatchFlag)));
-        g.expert_counts = c.take_bytes(int64_t{s.num_ranks} * 2 * s.num_local_experts * 4);
-        g.combine_slots = c.take_bytes(slots.combine_slots);
-        g.combine_flags = c.take_bytes(int64_t{s.num_ranks} * 8);
+        const int64_t ring = s.direct ? 0 : s.ring_slots();
+        const int64_t senders = s.num_ranks;
+        g.dispatch_slots = c.take_bytes(senders * ring * s.msg.bytes);
+        g.route_pos = c.take_bytes(senders * ring * s.num_topk * 4);
+        g.dispatch_flags = c.take_bytes(senders * 2 * static_cast<int64_t>(sizeof(DispatchFlag)));
+        g.expert_counts = c.take_bytes(senders * 2 * s.num_local_experts * 4);
+        g.combine_slots = c.take_bytes(s.direct ? 0 : s.combine_rows() * s.hidden * 2);
+        g.combine_flags = c.take_bytes(senders * 8);
+        g.round_flags = c.take_bytes(senders * 8);
+        g.plan_flags = c.take_bytes(s.direct ? senders * 8 : 0);
+        g.sent_flags = c.take_bytes(s.direct ? senders * 8 : 0);
+        g.ready_flags = c.take_bytes(s.direct ? senders * 8 : 0);
+        g.done_flags = c.take_bytes(s.direct ? senders * 8 : 0);
+        g.published = c.take_bytes(s.direct ? 2 * static_cast<int64_t>(sizeof(DirectOutputs)) : 0);
+        g.published_counts = c.take_bytes(s.direct ? int64_t{2} * s.num_experts * 4 : 0);
+        g.published_y = c.take_bytes(s.direct ? 2 * 8 : 0);
         g.bytes = c.used;
         g.capacity = s.capacity;
         g.num_topk = s.num_topk;
         g.num_local_experts = s.num_local_experts;
         g.hidden = s.hidden;
         g.msg_bytes = s.msg.bytes;
+        g.ring = static_cast<int32_t>(ring);
+        g.num_experts = s.num_experts;
         return g;
     }
 
-    // Byte offsets inside a window. `slot` is a sender's slot s * C + j.
+    // Byte offsets inside a window. `slot` is a sender's ring slot s * S + (j % S).
+    ELASTICEP_HD int64_t ring_slot(int sender, int64_t j) const { return int64_t{sender} * ring + j % ring; }
     ELASTICEP_HD int64_t message(int64_t slot) const { return dispatch_slots + slot * msg_bytes; }
     ELASTICEP_HD int64_t route_pos_row(int64_t slot) const { return route_pos + slot * num_topk * 4; }
     ELASTICEP_HD int64_t dispatch_flag(int sender, int parity) const {
@@ -103,10 +164,27 @@ struct RegionLayout {
     ELASTICEP_HD int64_t expert_counts_row(int sender, int parity) const {
         return expert_counts + (int64_t{sender} * 2 + parity) * num_local_experts * 4;
     }
+    // The compact combine slot `row` (an origin's message number out_base[d] + j).
+    ELASTICEP_HD int64_t combine_slot(int64_t row) const { return combine_slots + row * hidden * 2; }
+    // Kept for code written against the earlier holder-indexed combine area ([R holders][C] rows):
+    // that layout holds R * C rows, which make() reserves only when min(K, R) == R (R <= K). New code
+    // uses combine_slot with the origin's message numbers.
     ELASTICEP_HD int64_t combine_row(int holder, int64_t token) const {
         return combine_slots + (int64_t{holder} * capacity + token) * hidden * 2;
     }
     ELASTICEP_HD int64_t combine_flag(int holder) const { return combine_flags + int64_t{holder} * 8; }
+    ELASTICEP_HD int64_t round_flag(int peer) const { return round_flags + int64_t{peer} * 8; }
+    ELASTICEP_HD int64_t plan_flag(int sender) const { return plan_flags + int64_t{sender} * 8; }
+    ELASTICEP_HD int64_t sent_flag(int sender) const { return sent_flags + int64_t{sender} * 8; }
+    ELASTICEP_HD int64_t ready_flag(int holder) const { return ready_flags + int64_t{holder} * 8; }
+    ELASTICEP_HD int64_t done_flag(int origin) const { return done_flags + int64_t{origin} * 8; }
+    ELASTICEP_HD int64_t published_outputs(int parity) const {
+        return published + int64_t{parity} * static_cast<int64_t>(sizeof(DirectOutputs));
+    }
+    ELASTICEP_HD int64_t published_count_row(int parity) const {
+        return published_counts + int64_t{parity} * num_experts * 4;
+    }
+    ELASTICEP_HD int64_t published_y_word(int parity) const { return published_y + int64_t{parity} * 8; }
 
     template <class T>
     ELASTICEP_HD static T* at(uint8_t* window, int64_t offset) {
@@ -124,9 +202,12 @@ struct CallState {
     int32_t rejected;     // a sender published a bad route status: nothing is expanded
     int32_t num_rows;     // M of the contiguous layout, from the count exchange
     int32_t sticky_seen;  // the plan kernel's copy of the host-mapped sticky word, for the send kernel
+    int32_t num_rounds;   // staged: rounds of this call (1 unless a pair has more than S messages)
+    int32_t pad[3];
 };
 
-// One rank's local scratch, device memory only this rank touches.
+// One rank's local scratch, device memory only this rank touches (the direct path's peers read
+// nothing here either: what they read is published in the window).
 struct Workspace {
     int32_t* pos_in_expert;               // [C][K] route's position among this rank's routes to its expert
     int32_t* slot_of;                     // [C][K] at the first k of each destination: the token's slot there
@@ -142,16 +223,27 @@ struct Workspace {
     int32_t* expert_base;                 // [R][E_local] a sender's first position within each local expert
     int32_t* counts;                      // [E_local] the counts / masked_m output
     int32_t* offsets;                     // [E_local + 1] the offsets output (segment starts)
-    int32_t* recv_rows;                   // [R * C][K] the output row of every received route (-1: none)
+    int32_t* recv_rows;                   // staged [R * C][K] the output row of every received route (-1: none)
     int64_t* expert_load;                 // [E_local] cumulative rows received per local expert
     unsigned* fault_claim;                // [1] 1 once a peer fault is recorded (never reset: the buffer is done)
-    int64_t bytes;                        // the whole workspace
+    // added for the bounded staged window and the direct path
+    float* recv_w;               // staged [R * C][K] the weight of every received route (the ring is reused)
+    int32_t* recv_count;         // staged [R] messages received per sender (-1: dropped as corrupt)
+    int32_t* origin_base;        // staged [R] sender s's first combine slot for this rank's partials
+    int32_t* out_base;           // staged [R] this rank's first combine slot for holder d's partials
+    int32_t* route_row;          // direct [C][K] the row each of this rank's routes got at its destination
+    float* route_w;              // direct [C][K] the weight of each of this rank's routes
+    unsigned* arrive;            // direct [4] blocks of a grid that finished a stage (the last resets it)
+    unsigned long long* bad_at;  // direct [1] the call's first invalid route found by a fused plan
+    int64_t bytes;               // the whole workspace
 
     // The one list of the pieces: sizes it (base == nullptr) and carves it (base = the allocation).
     ELASTICEP_HD static Workspace carve(const Shape& s, void* base) {
         Workspace w{};
         Carver c{reinterpret_cast<uintptr_t>(base)};
         const int64_t routes = int64_t{s.capacity} * s.num_topk;
+        const int64_t received = s.direct ? 0 : s.slots() * s.num_topk;
+        const int64_t own = s.direct ? routes : 0;
         w.pos_in_expert = c.take<int32_t>(routes);
         w.slot_of = c.take<int32_t>(routes);
         w.clean_idx = c.take<int32_t>(routes);
@@ -165,9 +257,17 @@ struct Workspace {
         w.expert_base = c.take<int32_t>(int64_t{s.num_ranks} * s.num_local_experts);
         w.counts = c.take<int32_t>(s.num_local_experts);
         w.offsets = c.take<int32_t>(int64_t{s.num_local_experts} + 1);
-        w.recv_rows = c.take<int32_t>(s.slots() * s.num_topk);
+        w.recv_rows = c.take<int32_t>(received);
         w.expert_load = c.take<int64_t>(s.num_local_experts);
         w.fault_claim = c.take<unsigned>(1);
+        w.recv_w = c.take<float>(received);
+        w.recv_count = c.take<int32_t>(s.num_ranks);
+        w.origin_base = c.take<int32_t>(s.num_ranks);
+        w.out_base = c.take<int32_t>(s.num_ranks);
+        w.route_row = c.take<int32_t>(own);
+        w.route_w = c.take<float>(own);
+        w.arrive = c.take<unsigned>(4);
+        w.bad_at = c.take<unsigned long long>(1);
         w.bytes = c.used;
         return w;
     }
@@ -186,8 +286,8 @@ struct HostRecord {
     // host-sync dispatch summary, written by the count exchange
     int64_t num_rows;    // M
     int32_t bad_sender;  // first sender whose status is bad, or -1
-    int32_t pad1;
-    RouteStatus bad;  // that sender's status
+    int32_t num_rounds;  // staged: rounds of the call (the ring's S messages per pair per round)
+    RouteStatus bad;     // that sender's status
     // the first peer datum that failed its check on receipt (sticky; the buffer is unusable after it)
     PeerFault peer_fault;
 };

@@ -23,17 +23,32 @@ using transport::WaitStatus;
 // One thread waits until every peer's epoch word (at offset_of(q) in this rank's own window) reaches
 // `epoch`. On expiry it records the peers still missing (unless an earlier timeout is recorded) and
 // returns kTimedOut; a peer that arrives at the last moment is not a timeout.
-template <class Team, class OffsetOf>
+// kGpuScope: the peers share this GPU (direct path), so acquire at GPU scope.
+template <bool kGpuScope = false, class Team, class OffsetOf>
+// `shift`: the flags hold (call << shift) | step (round flags); the record names calls.
 __device__ WaitStatus wait_all(const Team& team, OffsetOf offset_of, uint64_t epoch, const Deadline& deadline,
-                               int32_t phase, HostRecord* rec) {
+                               int32_t phase, HostRecord* rec, int shift = 0) {
+    auto wait = [&](int64_t off) {
+        if constexpr (kGpuScope)
+            return team.wait_gpu(off, epoch, deadline);
+        else
+            return team.wait(off, epoch, deadline);
+    };
+    auto peek = [&](int64_t off) {
+        if constexpr (kGpuScope)
+            return team.peek_gpu(off);
+        else
+            return team.peek(off);
+    };
     for (int q = 0; q < team.size(); ++q) {
-        if (team.wait(offset_of(q), epoch, deadline) == WaitStatus::kOk) continue;
+        if (wait(offset_of(q)) == WaitStatus::kOk) continue;
         const MissingPeers missing =
-            detail::scan_missing([&](int r) { return team.peek(offset_of(r)); }, team.size(), epoch);
+            detail::scan_missing([&](int r) { return peek(offset_of(r)); }, team.size(), epoch);
         if (missing.count == 0) continue;  // arrived at the last moment
         if (rec->timeout_phase == kPhaseNone) {
-            rec->timeout_expected = epoch;
+            rec->timeout_expected = epoch >> shift;
             rec->timeout_missing = missing;
+            rec->timeout_missing.observed = missing.observed >> shift;
             __threadfence_system();
             *reinterpret_cast<volatile int32_t*>(&rec->timeout_phase) = phase;
             __threadfence_system();

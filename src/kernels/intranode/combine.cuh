@@ -1,19 +1,23 @@
-// Combine kernels of the direct topology (protocol: src/core/protocol.hpp, "Combine"). The reduction
-// order is SEMANTICS.md's: per destination rank an fmaf chain over k ascending rounded to bf16 on the
-// expert holder, then at the origin bias + partials in first-k destination order. Three kernels:
+// Combine kernels of the direct topology, staged path (protocol: src/core/protocol.hpp, "Combine").
+// The reduction order is SEMANTICS.md's: per destination rank an fmaf chain over k ascending rounded
+// to bf16 on the expert holder; at the origin, with one node, bias + partials in first-k destination
+// order; with ranks_per_node = P < R, per destination node first (node partial = bf16 of the sum of
+// its ranks' partials in list order), then bias + node partials in order of each node's first rank.
+// Three kernels:
 //
 // partial_kernel  grid 2 * num_sms (the dispatch's), block kThreads. Work item: a RowSlice of one
-//                 message this rank received in the dispatch (sender s, slot j). Reads y at the rows
-//                 ws.recv_rows gave its routes, the route weights in the message; writes the bf16
-//                 partial into origin s's window, combine_slots[this rank][t]. Each block ends with a
-//                 system fence. Does nothing after a timeout.
+//                 message this rank received in the dispatch (sender s, its j-th message here). Reads
+//                 y at the rows ws.recv_rows gave its routes and the route weights ws.recv_w (the
+//                 expand kernel's tables: with rounds the ring no longer holds every message); writes
+//                 the bf16 partial into origin s's window, compact combine slot origin_base[s] + j.
+//                 Each block ends with a system fence. Does nothing after a timeout.
 // publish_kernel  one warp. Signals this rank's epoch into every origin's combine_flags[this rank]
 //                 (release), then one thread waits (bounded) until every holder's flag in this rank's
 //                 window reached the epoch. Host waits (SyncMode): publish only, then wait only.
 // reduce_kernel   grid 2 * num_sms, block kThreads. Work item: a RowSlice of one of this rank's
-//                 tokens. Reads the partials in this rank's window in the token's first-k destination
-//                 order (ws.clean_idx from the dispatch), the bias; writes out. Does nothing after a
-//                 timeout.
+//                 tokens. Reads the partials in this rank's window (slot out_base[d] + the token's
+//                 slot at d) in the order above (ws.clean_idx and ws.slot_of from the dispatch), the
+//                 bias; writes out. Does nothing after a timeout.
 #pragma once
 
 #include "kernels/intranode/dispatch.cuh"
@@ -73,10 +77,7 @@ __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams<Team
     __shared__ float route_w[kWarps][kMaxTopk];
     __shared__ int32_t msg_start[kMaxRanks + 1];
     const int lane = lane_id(), warp = warp_id();
-    const int rank = p.team.rank();
     const int warps_total = gridDim.x * kWarps;
-    const MessageLayout& m = sh.msg;
-    const uint8_t* mine = p.team.self();
     const int chunks = sh.hidden / 8;
     int64_t* rows = route_rows[warp];
     float* ws = route_w[warp];
@@ -90,18 +91,13 @@ __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams<Team
         const int it0 = slice.begin, it1 = slice.end;
         int s = 0;
         const int64_t g = message_slot(msg_start, sh, slice.row, s);
-        const uint8_t* msg = mine + region.message(g);
+        const int64_t j = g - int64_t{s} * sh.capacity;
         const bool active = lane < sh.num_topk;
         int32_t row = -1;
         float w = 1.0f;
         if (active) {
             row = p.ws.recv_rows[g * sh.num_topk + lane];
-            if constexpr (kWeighted) w = __ldcg(reinterpret_cast<const float*>(msg + m.weight_offset) + lane);
-        }
-        const int32_t t = __ldcg(reinterpret_cast<const int32_t*>(msg + m.src_offset));
-        if (t < 0 || t >= sh.capacity) {  // dropped by the expand kernel already (a peer fault)
-            if (lane == 0) record_peer_fault(p.ws, p.record, detail::kPeerToken, s, kPhaseCombine, t, sh.capacity);
-            continue;
+            if constexpr (kWeighted) w = p.ws.recv_w[g * sh.num_topk + lane];
         }
         const unsigned routes = __ballot_sync(kFullMask, row >= 0);
         const int n = __popc(routes);
@@ -112,7 +108,9 @@ __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams<Team
             ws[at] = w;
         }
         __syncwarp();
-        uint16_t* dst = RegionLayout::at<uint16_t>(p.team.window(s), region.combine_row(rank, t));
+        // the exchange checked origin_base[s] + count <= C * min(K, R) (the origin's slots)
+        uint16_t* dst =
+            RegionLayout::at<uint16_t>(p.team.window(s), region.combine_slot(int64_t{p.ws.origin_base[s]} + j));
         for (int base = it0 * 64; base < min(chunks, it1 * 64); base += 64) {
             const int c0 = base + lane, c1 = c0 + 32;
             const bool ok0 = c0 < chunks, ok1 = c1 < chunks;
@@ -165,19 +163,80 @@ __global__ void __launch_bounds__(kPublishThreads) publish_kernel(CombineParams<
     if (st != WaitStatus::kOk) p.ws.state->timed_out = 1;
 }
 
-template <class Team, bool kBias>
+// The order in which an origin adds a token's destinations (SEMANTICS.md, "Combine"): lane k < K
+// holds the destination rank d of route k (-1: none). Returns, on the lane that leads its destination
+// (the lowest k routing to it), the destination's place in the order and sets `node_end` (the last
+// destination of its node, kNodes only); -1 on the other lanes. One node (kNodes false): first-k
+// order. P ranks per node: grouped by node, nodes in order of their first rank, ranks inside a node
+// in first-k order. `n` gets the number of destinations. The whole warp must call.
+template <bool kNodes>
+__device__ __forceinline__ int destination_order(int d, int node_size, int& n, bool& node_end) {
+    const int lane = lane_id();
+    const bool lead = leads_group(d);
+    const unsigned leaders = __ballot_sync(kFullMask, lead);
+    n = __popc(leaders);
+    node_end = false;
+    const int dest_idx = __popc(leaders & lanes_below(lane));
+    if constexpr (!kNodes) {
+        return lead ? dest_idx : -1;
+    } else {
+        const int node = d >= 0 ? d / node_size : -1;
+        const bool node_lead = leads_group(node);
+        const unsigned node_leaders = __ballot_sync(kFullMask, node_lead);
+        // the node's index among the nodes in first-appearance order, from the node's leading lane
+        const unsigned same_node = __match_any_sync(kFullMask, node >= 0 ? node : -1 - lane);
+        const int node_lane = __ffs(same_node) - 1;
+        const int node_idx = __popc(node_leaders & lanes_below(node_lane));
+        const int key = lead ? node_idx * kWarpSize + dest_idx : 0x7fffffff;
+        int pos = 0, later_same_node = 0;
+#pragma unroll 4
+        for (int i = 0; i < kWarpSize; ++i) {
+            const int other = __shfl_sync(kFullMask, key, i);
+            pos += other < key;
+            later_same_node += other != 0x7fffffff && other > key && other / kWarpSize == node_idx;
+        }
+        node_end = lead && later_same_node == 0;
+        return lead ? pos : -1;
+    }
+}
+
+// acc += the partials p_j (one uint4 of 8 bf16 channels per destination, in order), with or without
+// the node level: one node: acc = acc + float(p_j); nodes: q = 0.0f, q = q + float(p_j) over the
+// node's ranks, acc = acc + float(bf16_rne(q)) at the node's end.
+template <bool kNodes>
+__device__ __forceinline__ void add_partial(float (&acc)[8], float (&q)[8], const uint4& v, bool node_end) {
+    if constexpr (!kNodes) {
+        add_chunk(acc, v);
+    } else {
+        add_chunk(q, v);
+        if (node_end) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                acc[i] = __fadd_rn(acc[i], num::bf16_to_float(num::float_to_bf16(q[i])));
+                q[i] = 0.0f;
+            }
+        }
+    }
+}
+
+template <class Team, bool kBias, bool kNodes = false>
 __global__ void __launch_bounds__(kThreads, 2) reduce_kernel(CombineParams<Team> p) {
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     if (p.ws.state->timed_out != 0) return;
-    __shared__ int32_t dest_list[kWarps][kMaxTopk];
+    __shared__ int64_t slot_list[kWarps][kMaxTopk];
+    __shared__ bool end_list[kWarps][kMaxTopk];
     const int lane = lane_id(), warp = warp_id();
     const int warps_total = gridDim.x * kWarps;
     const int chunks = sh.hidden / 8;
-    const uint16_t* slots = RegionLayout::at<uint16_t>(p.team.self(), region.combine_slots);
-    int32_t* dl = dest_list[warp];
-    // work items: RowSlice over this rank's tokens
-    const int iters = (chunks + 63) / 64;
+    const uint16_t* slots = RegionLayout::at<uint16_t>(p.team.self(), region.combine_slot(0));
+    int64_t* sl = slot_list[warp];
+    bool* el = end_list[warp];
+    // work items: RowSlice over this rank's tokens; with the node level one chunk per lane and step
+    // (three accumulators per channel), else two
+    constexpr int kPer = kNodes ? 1 : 2;
+    constexpr int kStep = 32 * kPer;
+    const int iters = (chunks + kStep - 1) / kStep;
     const int slices = row_slices(p.num_tokens, iters, warps_total);
     const int64_t items = int64_t{p.num_tokens} * slices;
     for (int64_t item = blockIdx.x * kWarps + warp; item < items; item += warps_total) {
@@ -186,42 +245,54 @@ __global__ void __launch_bounds__(kThreads, 2) reduce_kernel(CombineParams<Team>
         const bool active = lane < sh.num_topk;
         const int32_t clean = active ? p.ws.clean_idx[t * sh.num_topk + lane] : -1;
         const int d = clean >= 0 ? clean / sh.num_local_experts : -1;
-        const bool first = leads_group(d);
-        const unsigned dests = __ballot_sync(kFullMask, first);
-        const int n = __popc(dests);
-        __syncwarp();                                          // the previous token's list is read
-        if (first) dl[__popc(dests & lanes_below(lane))] = d;  // first-k destination order
+        int n = 0;
+        bool node_end = false;
+        const int at = destination_order<kNodes>(d, sh.node_size(), n, node_end);
+        __syncwarp();  // the previous token's list is read
+        if (at >= 0) {
+            // the token's partial from d: this rank's message slot_of[t][k] to d, in its compact rows
+            sl[at] = int64_t{p.ws.out_base[d]} + p.ws.slot_of[t * sh.num_topk + lane];
+            el[at] = node_end;
+        }
         __syncwarp();
-        for (int base = it0 * 64; base < min(chunks, it1 * 64); base += 64) {
-            const int c0 = base + lane, c1 = c0 + 32;
-            const bool ok0 = c0 < chunks, ok1 = c1 < chunks;
-            float a0[8], a1[8];
-            if constexpr (kBias) {
-                const uint16_t* br = p.bias + t * p.bias_row_stride;
-                load_chunk(a0, ok0 ? *reinterpret_cast<const uint4*>(br + c0 * 8) : make_uint4(0, 0, 0, 0));
-                load_chunk(a1, ok1 ? *reinterpret_cast<const uint4*>(br + c1 * 8) : make_uint4(0, 0, 0, 0));
-            } else {
+        for (int base = it0 * kStep; base < min(chunks, it1 * kStep); base += kStep) {
+            float a[kPer][8], q[kPer][8];
+            bool ok[kPer];
+            int c[kPer];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) a0[i] = a1[i] = 0.0f;
+            for (int u = 0; u < kPer; ++u) {
+                c[u] = base + lane + 32 * u;
+                ok[u] = c[u] < chunks;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) q[u][i] = 0.0f;
+                if constexpr (kBias) {
+                    const uint16_t* br = p.bias + t * p.bias_row_stride;
+                    load_chunk(a[u], ok[u] ? *reinterpret_cast<const uint4*>(br + c[u] * 8) : make_uint4(0, 0, 0, 0));
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) a[u][i] = 0.0f;
+                }
             }
             for (int j0 = 0; j0 < n; j0 += kBatch) {
-                uint4 v0[kBatch], v1[kBatch];
+                uint4 v[kBatch][kPer];
 #pragma unroll
                 for (int b = 0; b < kBatch; ++b) {
                     const bool has = j0 + b < n;
-                    const uint16_t* pr = slots + (int64_t{has ? dl[j0 + b] : 0} * sh.capacity + t) * sh.hidden;
-                    v0[b] = has && ok0 ? __ldcg(reinterpret_cast<const uint4*>(pr + c0 * 8)) : make_uint4(0, 0, 0, 0);
-                    v1[b] = has && ok1 ? __ldcg(reinterpret_cast<const uint4*>(pr + c1 * 8)) : make_uint4(0, 0, 0, 0);
+                    const uint16_t* pr = slots + (has ? sl[j0 + b] : 0) * sh.hidden;
+#pragma unroll
+                    for (int u = 0; u < kPer; ++u)
+                        v[b][u] = has && ok[u] ? __ldcg(reinterpret_cast<const uint4*>(pr + c[u] * 8))
+                                               : make_uint4(0, 0, 0, 0);
                 }
 #pragma unroll
                 for (int b = 0; b < kBatch; ++b)
-                    if (j0 + b < n) {
-                        add_chunk(a0, v0[b]);
-                        add_chunk(a1, v1[b]);
-                    }
+                    if (j0 + b < n)
+#pragma unroll
+                        for (int u = 0; u < kPer; ++u) add_partial<kNodes>(a[u], q[u], v[b][u], el[j0 + b]);
             }
-            if (ok0) *reinterpret_cast<uint4*>(p.out + t * p.out_row_stride + c0 * 8) = pack_chunk(a0);
-            if (ok1) *reinterpret_cast<uint4*>(p.out + t * p.out_row_stride + c1 * 8) = pack_chunk(a1);
+#pragma unroll
+            for (int u = 0; u < kPer; ++u)
+                if (ok[u]) *reinterpret_cast<uint4*>(p.out + t * p.out_row_stride + c[u] * 8) = pack_chunk(a[u]);
         }
     }
 }

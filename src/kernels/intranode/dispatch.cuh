@@ -11,19 +11,29 @@
 // send_kernel      grid 2 * num_sms, block kThreads (2 blocks per SM). Work item: a RowSlice of one
 //                  token. Reads x (+ x_scales), topk_idx / topk_weights and the plan. Writes, in every
 //                  destination's window, the token's message (FP8 quantization fused) and its
-//                  route_pos row; ws.clean_idx. Each block ends with a system fence; nothing is
-//                  announced yet. A rejected host-sync call sends nothing.
+//                  route_pos row, for the messages of round p.round (the j-th message to a receiver
+//                  belongs to round j / S and goes into ring slot j % S); ws.clean_idx. Each block
+//                  ends with a system fence; nothing is announced yet. A rejected host-sync call
+//                  sends nothing.
 // exchange_kernel  one block of 256 threads. Resolves the call's route status (decide_route_status),
-//                  writes count, status and per-expert counts into every receiver's dispatch flag and
-//                  signals its epoch (release); then waits (bounded) for every sender's flag in this
-//                  rank's window and derives msg_start, counts, offsets (segment starts), expert_base,
-//                  expert_load and the host record's summary (M, the first bad sender). With host
-//                  waits (SyncMode) it runs twice: publish only, the host waits, then wait only.
-// expand_kernel    grid 2 * num_sms, block kThreads. Work item: a RowSlice of one received message
-//                  (sender, slot) order. Reads this rank's window and workspace; writes recv_x,
-//                  recv_scales, recv_weights, recv_src, m_indices, ws.recv_rows, then the padding
-//                  rows' metadata (and data with zero_padding). Does nothing after a timeout or a
-//                  rejection.
+//                  writes count, status, the combine-slot base and the sender's largest count, and the
+//                  per-expert counts into every receiver's dispatch flag and signals its epoch
+//                  (release); then waits (bounded) for every sender's flag in this rank's window and
+//                  derives recv_count, origin_base, out_base, msg_start, counts, offsets (segment
+//                  starts), expert_base, expert_load, the number of rounds (every rank computes the
+//                  same one from every sender's largest count) and the host record's summary (M, the
+//                  first bad sender, the rounds). With host waits (SyncMode) it runs twice: publish
+//                  only, the host waits, then wait only.
+// expand_kernel    grid 2 * num_sms, block kThreads. Work item: a RowSlice of one received message of
+//                  round p.round, (sender, slot) order. Reads this rank's window and workspace;
+//                  writes recv_x, recv_scales, recv_weights, recv_src, m_indices, ws.recv_rows and
+//                  ws.recv_w (the combine's route table: the ring is reused by later rounds), then
+//                  (round 0) the padding rows' metadata (and data with zero_padding). Does nothing
+//                  after a timeout or a rejection.
+// round_kernel     one block of 32 threads, host-sync calls with more than one round only: every rank
+//                  signals (epoch << 20 | step) into every peer's round flag and waits (bounded) for
+//                  all: between expand(r - 1) and send(r) (the ring is free) and between send(r) and
+//                  expand(r) (the ring is full). Host waits: publish only, then wait only.
 // Peer data (counts, per-expert counts, positions, expert ids, source tokens) is checked where it is
 // first read (exchange, expand): a bad value is dropped and recorded as a peer fault naming the sender,
 // so no row index a peer wrote can address outside the outputs.
@@ -109,11 +119,10 @@ __global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams<Team> p) 
 // The call's route status, resolved once by the exchange (one thread): this call's first invalid
 // route and the sticky word go through decide_route_status (protocol.hpp); graph mode records the
 // first invalid route as the sticky fault.
+// `key`: the route_key of the call's first invalid route (kNoRouteKey: none).
 template <bool kIdx64, class Team>
-__device__ RouteStatus resolve_route_status(const DispatchParams<Team>& p) {
+__device__ RouteStatus resolve_route_status_of(const DispatchParams<Team>& p, unsigned long long key) {
     const Shape& sh = p.shape;
-    const unsigned long long key = *p.ws.first_bad_route;
-    *p.ws.first_bad_route = detail::kNoRouteKey;
     RouteStatus bad{};
     if (key != detail::kNoRouteKey) {
         const int t = static_cast<int>(detail::route_key_token(key)), k = detail::route_key_k(key);
@@ -153,6 +162,14 @@ __device__ RouteStatus resolve_route_status(const DispatchParams<Team>& p) {
     return d.publish;
 }
 
+// The plan kernel's first invalid route (ws.first_bad_route, reset here for the next call).
+template <bool kIdx64, class Team>
+__device__ RouteStatus resolve_route_status(const DispatchParams<Team>& p) {
+    const unsigned long long key = *p.ws.first_bad_route;
+    *p.ws.first_bad_route = detail::kNoRouteKey;
+    return resolve_route_status_of<kIdx64>(p, key);
+}
+
 template <class Team, SendPayload kPayload, bool kIdx64>
 __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams<Team> p) {
     constexpr bool kFP8 = payload_is_fp8(kPayload);
@@ -173,13 +190,15 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams<Team> 
     __shared__ int32_t* dst_route_pos[kWarps][kMaxTopk];
     __shared__ int32_t dst_rank[kWarps][kMaxTopk];
     if (threadIdx.x == 0)
-        reject = p.host_sync && (*p.ws.first_bad_route != detail::kNoRouteKey || p.ws.state->sticky_seen != 0);
+        reject = p.round == 0 && p.host_sync &&
+                 (*p.ws.first_bad_route != detail::kNoRouteKey || p.ws.state->sticky_seen != 0);
     __syncthreads();
     if (reject) return;
     const int lane = lane_id(), warp = warp_id();
     const int warps_total = gridDim.x * kWarps;
     const MessageLayout& m = sh.msg;
-    const int64_t slot_base = int64_t{p.team.rank()} * sh.capacity;
+    const int rank = p.team.rank();
+    const int ring = region.ring;
     uint8_t** msgs = dst_msg[warp];
     int32_t** route_pos_rows = dst_route_pos[warp];
     int32_t* dests = dst_rank[warp];
@@ -197,16 +216,19 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams<Team> 
         int fault, dup;
         const int32_t clean = clean_route(v, active, sh.num_experts, fault, dup);
         const int dest = clean >= 0 ? clean / sh.num_local_experts : -1;
-        if (active && first) p.ws.clean_idx[t * sh.num_topk + lane] = clean;
+        if (active && first && p.round == 0) p.ws.clean_idx[t * sh.num_topk + lane] = clean;
         // the token's distinct destinations in first-k order: lane k leads destination d when no lower
-        // lane routes to d (the plan kernel stored the token's slot at d under that same k)
-        const bool leads = leads_group(dest);
+        // lane routes to d (the plan kernel stored the token's slot at d under that same k); only the
+        // destinations whose message belongs to this round
+        const bool leads_any = leads_group(dest);
+        const int32_t j = leads_any ? p.ws.slot_of[t * sh.num_topk + lane] : 0;
+        const bool leads = leads_any && j / ring == p.round;
         const unsigned leaders = __ballot_sync(kFullMask, leads);
         if (leaders == 0) continue;
         const int num_dst = __popc(leaders);
         if (leads) {  // (the previous token's lists were read before the loop's closing __syncwarp)
             const int i = __popc(leaders & lanes_below(lane));
-            const int64_t slot = slot_base + p.ws.slot_of[t * sh.num_topk + lane];
+            const int64_t slot = region.ring_slot(rank, j);
             uint8_t* window = p.team.window(dest);
             msgs[i] = window + region.message(slot);
             route_pos_rows[i] = RegionLayout::at<int32_t>(window, region.route_pos_row(slot));
@@ -335,7 +357,19 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
     const int parity = static_cast<int>(epoch & 1);
     uint8_t* mine = team.self();
     if (p.sync_mode != kWaitOnly) {
-        if (threadIdx.x == 0) *p.ws.route_status = resolve_route_status<kIdx64>(p);
+        __shared__ int64_t max_out;
+        if (threadIdx.x == 0) {
+            *p.ws.route_status = resolve_route_status<kIdx64>(p);
+            // this rank's compact combine slots: its messages to holder d start at out_base[d]
+            int32_t at = 0, most = 0;
+            for (int d = 0; d < sh.num_ranks; ++d) {
+                const int32_t c = p.ws.dest_count[d];
+                p.ws.out_base[d] = at;
+                at += c;
+                most = c > most ? c : most;
+            }
+            max_out = most;
+        }
         __syncthreads();
         const RouteStatus st = *p.ws.route_status;
         const bool reject = st.any();
@@ -343,6 +377,8 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
             DispatchFlag* f = RegionLayout::at<DispatchFlag>(team.window(d), region.dispatch_flag(rank, parity));
             f->count = reject ? 0 : p.ws.dest_count[d];
             f->status = st;
+            f->out_base = p.ws.out_base[d];
+            f->max_count = reject ? 0 : max_out;
         }
         for (int i = threadIdx.x; i < sh.num_ranks * sh.num_local_experts; i += blockDim.x) {
             const int d = i / sh.num_local_experts, l = i % sh.num_local_experts;
@@ -373,12 +409,19 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
             RegionLayout::at<int32_t>(mine, region.expert_counts_row(s, parity)));
     };
     // Received messages per sender, checked on receipt: a count outside [0, C], a per-expert count
-    // outside [0, count], or per-expert counts summing above count * min(K, E_local) (a token carries
-    // at most that many routes to one rank) drop the sender (-1 here) and record a peer fault.
+    // outside [0, count], per-expert counts summing above count * min(K, E_local) (a token carries
+    // at most that many routes to one rank), or a combine-slot range beyond the sender's
+    // C * min(K, R) slots drop the sender (-1 here) and record a peer fault.
     __shared__ int32_t recv_count[kMaxRanks];
+    __shared__ int64_t most_in;  // the largest count any sender sends to any rank: the call's rounds
+    if (threadIdx.x == 0) most_in = 0;
+    __syncthreads();
     const int64_t routes_per_token = sh.num_topk < sh.num_local_experts ? sh.num_topk : sh.num_local_experts;
+    const int64_t slot_rows = sh.combine_rows();
     for (int s = threadIdx.x; s < sh.num_ranks; s += blockDim.x) {
         const int64_t count = reinterpret_cast<volatile int64_t*>(&flag_of(s)->count)[0];
+        const int64_t base = reinterpret_cast<volatile int64_t*>(&flag_of(s)->out_base)[0];
+        const int64_t most = reinterpret_cast<volatile int64_t*>(&flag_of(s)->max_count)[0];
         const bool count_ok = count >= 0 && count <= sh.capacity;
         // every per-expert count is loaded (no data-dependent exit, so the loads overlap)
         const int32_t* counts_row = RegionLayout::at<int32_t>(mine, region.expert_counts_row(s, parity));
@@ -393,6 +436,7 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
             each_ok = each_ok && ok_c;
         }
         const bool sum_ok = sum <= count * routes_per_token;
+        const bool slots_ok = base >= 0 && base <= slot_rows && count <= slot_rows - base;
         if (!count_ok)
             record_peer_fault(p.ws, p.record, detail::kPeerCount, s, kPhaseDispatch, count, sh.capacity);
         else if (!each_ok)
@@ -400,7 +444,17 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
         else if (!sum_ok)
             record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch, sum,
                               count * routes_per_token);
-        recv_count[s] = count_ok && each_ok && sum_ok ? static_cast<int32_t>(count) : -1;
+        else if (!slots_ok)
+            record_peer_fault(p.ws, p.record, detail::kPeerSlot, s, kPhaseDispatch, base + count, slot_rows);
+        const bool keep = count_ok && each_ok && sum_ok && slots_ok;
+        recv_count[s] = keep ? static_cast<int32_t>(count) : -1;
+        p.ws.recv_count[s] = recv_count[s];
+        p.ws.origin_base[s] = keep ? static_cast<int32_t>(base) : 0;
+        // the rounds need every sender's largest count, to any rank (clamped: C bounds every count)
+        atomicMax(reinterpret_cast<unsigned long long*>(&most_in),
+                  static_cast<unsigned long long>(most < 0             ? 0
+                                                  : most > sh.capacity ? sh.capacity
+                                                                       : most));
     }
     __syncthreads();
     __shared__ int32_t seg[kMaxLocalExperts];  // rounded segment sizes
@@ -431,11 +485,14 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
         int bad_sender = -1;
         for (int s = 0; s < sh.num_ranks && bad_sender < 0; ++s)
             if (reinterpret_cast<volatile int32_t*>(&flag_of(s)->status.kind)[0] != detail::kRouteOk) bad_sender = s;
+        const int32_t rounds = most_in > region.ring ? static_cast<int32_t>(ceil_div(most_in, region.ring)) : 1;
         p.ws.state->rejected = bad_sender >= 0 ? 1 : 0;
         p.ws.state->num_rows = at;
+        p.ws.state->num_rounds = rounds;
         volatile HostRecord* r = p.record;
         r->num_rows = at;
         r->bad_sender = bad_sender;
+        r->num_rounds = rounds;
         if (bad_sender >= 0) {
             const RouteStatus b = flag_of(bad_sender)->status;
             r->bad.kind = b.kind;
@@ -447,6 +504,32 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
         }
         __threadfence_system();
     }
+}
+
+// Between the rounds of a host-sync call whose busiest pair has more than S messages: every rank
+// signals (epoch << 20 | step) into every peer's round flag, then waits (bounded) for every peer's.
+// Step 2r - 1 (before send(r)): every rank expanded round r - 1, so the rings are free; step 2r
+// (before expand(r)): every rank wrote round r. The block fence of the send kernel (or the expand
+// kernel's completion) comes before the signal, which releases it.
+constexpr int kRoundShift = 20;  // round flags hold (epoch << kRoundShift) | step
+
+template <class Team>
+__global__ void __launch_bounds__(kWarpSize) round_kernel(DispatchParams<Team> p) {
+    const Team& team = p.team;
+    const RegionLayout& region = p.region;
+    if (p.ws.state->timed_out != 0) return;
+    const uint64_t value = (*p.ws.epoch << kRoundShift) | static_cast<uint64_t>(p.step);
+    if (p.sync_mode != kWaitOnly) {
+        team.fence();
+        for (int q = threadIdx.x; q < team.size(); q += blockDim.x)
+            team.signal(q, region.round_flag(team.rank()), value);
+        if (p.sync_mode == kPublishOnly) return;
+    }
+    if (threadIdx.x != 0) return;
+    const WaitStatus st = wait_all(
+        team, [&](int q) { return region.round_flag(q); }, value, Deadline::from_now(p.timeout_ns), kPhaseDispatch,
+        p.record, kRoundShift);
+    if (st != WaitStatus::kOk) p.ws.state->timed_out = 1;
 }
 
 // The received messages of this rank, in (sender, slot) order: message i is slot i - start[s] of
@@ -473,6 +556,25 @@ __device__ __forceinline__ int64_t message_slot(const int32_t* start, const Shap
     return int64_t{lo} * sh.capacity + (i - start[lo]);
 }
 
+// The received messages of round `round` (at most S per sender: the j-th message of sender s is in
+// round j / S): each block computes the per-sender starts (`start`, R + 1 entries) from the
+// exchange's recv_count and returns the number of messages of the round.
+__device__ __forceinline__ int load_round_starts(int32_t* start, const Shape& sh, const int32_t* recv_count, int round,
+                                                 int ring) {
+    if (threadIdx.x == 0) {
+        int32_t at = 0;
+        const int64_t skip = int64_t{round} * ring;
+        for (int s = 0; s < sh.num_ranks; ++s) {
+            start[s] = at;
+            const int64_t left = int64_t{recv_count[s]} - skip;
+            at += static_cast<int32_t>(left <= 0 ? 0 : left < ring ? left : ring);
+        }
+        start[sh.num_ranks] = at;
+    }
+    __syncthreads();
+    return start[sh.num_ranks];
+}
+
 template <class Team, bool kFP8, bool kContiguous>
 __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams<Team> p) {
     const Shape& sh = p.shape;
@@ -488,8 +590,9 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams<Team
     const int row_bytes = sh.hidden * (kFP8 ? 1 : 2);
     const uint8_t* mine = p.team.self();
     const ScaleStrides& sst = p.recv_scale_strides;
-    // work items: RowSlice over the received messages
-    const int num_msgs = load_message_starts(msg_start, sh, p.ws.msg_start);
+    // work items: RowSlice over the received messages of this round
+    const int ring = region.ring;
+    const int num_msgs = load_round_starts(msg_start, sh, p.ws.recv_count, p.round, ring);
     const int row_chunks = row_bytes / 16;
     const int iters = (row_chunks + 127) / 128;
     const int slices = row_slices(num_msgs, iters, warps_total);
@@ -499,8 +602,10 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams<Team
         const int it0 = slice.begin, it1 = slice.end;
         const bool first = slice.first;
         int s = 0;
-        const int64_t g = message_slot(msg_start, sh, slice.row, s);
-        const uint8_t* msg = mine + region.message(g);
+        const int64_t in_ring = message_slot(msg_start, sh, slice.row, s) - int64_t{s} * sh.capacity;
+        const int64_t g = int64_t{s} * sh.capacity + int64_t{p.round} * ring + in_ring;  // sender's slot s * C + j
+        const int64_t slot = int64_t{s} * ring + in_ring;                                // its ring slot
+        const uint8_t* msg = mine + region.message(slot);
         const bool active = lane < sh.num_topk;
         int32_t v = -1;
         float w = 0.0f;
@@ -522,7 +627,7 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams<Team
         const int l = local ? v % sh.num_local_experts : 0;
         int64_t pos = 0, row = -1;
         if (local) {
-            const int32_t sent_pos = __ldcg(RegionLayout::at<int32_t>(mine, region.route_pos_row(g)) + lane);
+            const int32_t sent_pos = __ldcg(RegionLayout::at<int32_t>(mine, region.route_pos_row(slot)) + lane);
             const int32_t base = p.ws.expert_base[s * sh.num_local_experts + l];
             const int32_t share =
                 (s + 1 < sh.num_ranks ? p.ws.expert_base[(s + 1) * sh.num_local_experts + l] : p.ws.counts[l]) - base;
@@ -539,7 +644,10 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams<Team
                 }
             }
         }
-        if (active && first) p.ws.recv_rows[g * sh.num_topk + lane] = static_cast<int32_t>(row);
+        if (active && first) {
+            p.ws.recv_rows[g * sh.num_topk + lane] = static_cast<int32_t>(row);
+            p.ws.recv_w[g * sh.num_topk + lane] = w;
+        }
         const unsigned locals = __ballot_sync(kFullMask, local);
         const int num_local = __popc(locals);
         // rows of the local routes, k ascending, for the whole warp
@@ -575,7 +683,8 @@ __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams<Team
         }
         __syncwarp();
     }
-    // padding rows
+    // padding rows (once: round 0)
+    if (p.round != 0) return;
     const int64_t total = kContiguous ? p.num_rows_out : int64_t{sh.num_local_experts} * rc;
     const int64_t m_rows = p.ws.state->num_rows;
     for (int64_t r = blockIdx.x * int64_t{kThreads} + threadIdx.x; r < total; r += int64_t{gridDim.x} * kThreads) {

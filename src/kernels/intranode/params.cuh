@@ -62,6 +62,7 @@ struct CallParams {
     uint64_t timeout_ns;  // bound on every wait for a peer
     int32_t sync_mode;    // SyncMode
     int32_t num_tokens;   // T of this rank
+    int32_t step;         // round_kernel: the step of the call's rounds; direct kernels: DirectStep
 };
 
 template <class Team>
@@ -81,7 +82,9 @@ struct DispatchParams : CallParams<Team> {
     // layout (templated: kContiguous)
     bool host_sync, zero_padding;
     int expert_alignment;
-    int64_t num_rows_out;  // rows of the contiguous outputs (M with host sync, M_cap in graph mode)
+    int64_t num_rows_out;    // rows of the contiguous outputs (M with host sync, M_cap in graph mode)
+    int32_t round;           // staged: the round of send / expand (messages j with j / S == round)
+    bool scales_mn_dynamic;  // direct: contiguous MN-major buffer-owned scales with host sync (DirectOutputs)
     // outputs
     uint8_t* recv_x;
     uint32_t* recv_scales;  // fp32 bits or packed UE8M0 words: 4 bytes either way
@@ -98,6 +101,7 @@ struct CombineParams : CallParams<Team> {
     int64_t bias_row_stride;
     uint16_t* out;  // [T, H] bf16
     int64_t out_row_stride;
+    bool weighted;  // direct: route weights (else 1.0f)
 };
 
 }  // namespace elasticep::kernels

@@ -1,0 +1,665 @@
+// Direct-path kernels of the direct topology: every rank is a thread of this process on this GPU, so
+// every rank can address every other rank's ordinary device memory (outputs, expert outputs). Rows
+// are written ONCE, by their sender, straight into their final place in the receiver's output; the
+// origin reads its routes' expert outputs in place and reduces them itself. The protocol of
+// src/core/protocol.hpp holds with "message" read as "row": what is published, when, and the route
+// status are the same; the window holds only flags and what each rank publishes (RegionLayout).
+//
+// direct_dispatch_kernel  grid = SM share x occupancy (every block of every rank resident at once:
+//     the host sizes it with the occupancy calculator), block kThreads, dynamic shared memory
+//     direct_dispatch_smem_bytes. One launch does every step with device waits (kStepAll); with host
+//     waits the host launches kStepPublish (plan and publish), waits for the plan flags, kStepMove,
+//     waits for the sent flags, kStepFinish (one block).
+//   plan      every block reads every token's top-k row once, chunk by chunk (one thread per token:
+//             ids checked, repeats dropped), into a bitmap of the chunk's tokens per expert in shared
+//             memory, so a route's position among the rank's routes to its expert (t ascending) is a
+//             running count plus a popcount; each block writes the positions of its share of the
+//             tokens (ws.pos_in_expert). No plan kernel.
+//   publish   the last block to finish its plan (ws.arrive) resolves the route status
+//             (decide_route_status) and writes, in this rank's own window, its per-expert route counts
+//             and its DirectOutputs (output pointers, scale strides, status); then signals every
+//             peer's plan flag (release, GPU scope): seeing its own flag tells every block of this
+//             rank that every position is written.
+//   tables    every block waits (bounded) for every sender's plan flag, reads every rank's counts
+//             (checked on receipt: each in [0, C], per receiver at most C * min(K, E_local); a sender
+//             that fails is dropped everywhere alike and recorded as a peer fault) and statuses (any
+//             bad one rejects the call on every rank), and derives, for every receiver d and local
+//             expert l, the segment start and this rank's first row there (SEMANTICS order: senders
+//             ascending); block 0 writes this rank's counts, offsets, expert_load and host record.
+//   move      warps take RowSlices of this rank's tokens: clean routes, quantize once (fp8 fused),
+//             store the row into every route's receiver row, with its scales, weight, source and
+//             m_indices; ws.route_row / route_w / clean_idx for the combine. Then the padding rows of
+//             this rank's own outputs. The last block to finish (ws.arrive) signals every receiver's
+//             sent flag.
+//   finish    block 0 waits (bounded) for every sender's sent flag: this rank's outputs are complete.
+//             It advances ws.epoch.
+// direct_combine_kernel  grid and steps as above (publish, move, finish).
+//   publish   block 0 writes this call's y pointer into its own window and signals every peer's
+//             ready flag.
+//   move      every block waits for every holder's ready flag, then warps take RowSlices of this
+//             rank's tokens: for each route (ws.route_row / route_w), the holder's y row, fmaf over k
+//             ascending per destination, rounded to bf16 (the holder's partial of the staged path,
+//             bit for bit), then the origin's order (SEMANTICS.md; node level when P < R), and out.
+//             The last block signals every holder's done flag.
+//   finish    block 0 waits for every origin's done flag: nobody reads this rank's y any more.
+// Scope: every peer shares this GPU, so flags are released and acquired at GPU scope, and each block
+// fences at GPU scope once, before its arrival.
+#pragma once
+
+#include "kernels/intranode/combine.cuh"
+
+namespace elasticep::kernels {
+
+enum DirectStep : int32_t { kStepAll = 0, kStepPublish = 1, kStepMove = 2, kStepFinish = 3 };
+
+constexpr int kDirectMaxRanks = 64;      // senders dropped as corrupt are one 64-bit mask
+constexpr int kDirectMaxExperts = 2048;  // per-expert tables in shared memory
+constexpr int kPlanWords = 8192;         // the plan's bitmap: E * chunk / 32 words (32 KB)
+
+// Tokens of one plan chunk: as many as the bitmap holds (at most 1024, a multiple of 32), fewer when
+// the rank has fewer tokens.
+__host__ __device__ inline int plan_chunk_tokens(int num_experts, int num_tokens) {
+    int per = kPlanWords / (num_experts > 0 ? num_experts : 1);
+    per = per < 1 ? 1 : per > 32 ? 32 : per;
+    const int rounded = (num_tokens + 31) / 32;
+    return 32 * (rounded < per ? (rounded > 0 ? rounded : 1) : per);
+}
+// dynamic shared memory of direct_dispatch_kernel: base, seg, total, running [E], m_of [R], the
+// chunk's kept-route masks [chunk] and its bitmap [E][chunk / 32]
+__host__ __device__ inline int direct_dispatch_smem_bytes(int num_experts, int num_ranks, int num_tokens) {
+    const int chunk = plan_chunk_tokens(num_experts, num_tokens);
+    return (4 * num_experts + num_ranks + chunk + num_experts * (chunk / 32)) * 4;
+}
+
+// Position of token t among the tokens whose bit is set in `row` (bits t ascending, 32 per word).
+__device__ __forceinline__ int bitmap_rank(const uint32_t* row, int t) {
+    int c = 0;
+    for (int w = 0; w < t / 32; ++w) c += __popc(row[w]);
+    return c + __popc(row[t / 32] & lanes_below(t % 32));
+}
+
+// The last block of the grid to call this (after its writes) returns true, with every block's writes
+// visible to it; the counter is reset for the next launch. Every thread must call.
+__device__ __forceinline__ bool last_block_arrives(unsigned* counter) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        if (last) {
+            atomicExch(counter, 0u);
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    return last;
+}
+
+template <class Team, SendPayload kPayload, bool kIdx64>
+__global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchParams<Team> p) {
+    constexpr bool kFP8 = payload_is_fp8(kPayload);
+    constexpr bool kFused = payload_quantizes(kPayload);
+    constexpr bool kF32Scales = payload_f32_scales(kPayload);
+    constexpr int kScaleGroup = payload_scale_group(kPayload);
+    constexpr int kLanesPerGroup = kScaleGroup / 16;
+    static_assert(kScaleGroup % 16 == 0 && kScaleGroup / 16 <= kWarpSize, "a scale group is whole lanes");
+    static_assert(Team::kLoadStore, "the direct path loads and stores peers' memory");
+    const Shape& sh = p.shape;
+    const RegionLayout& region = p.region;
+    const Team& team = p.team;
+    const int rank = team.rank(), nr = sh.num_ranks, ne = sh.num_experts, el = sh.num_local_experts;
+    const int kk = sh.num_topk, cap = sh.capacity;
+    const int t_count = p.num_tokens;
+    const int lane = lane_id(), warp = warp_id();
+    const int step = p.step;
+    const bool contiguous = p.expert_alignment > 0;  // 0: the masked layout
+    if (p.ws.state->timed_out != 0) return;
+    const uint64_t epoch = *p.ws.epoch + 1;
+    const int parity = static_cast<int>(epoch & 1);
+    const int64_t rc = sh.slots();
+
+    extern __shared__ int32_t dyn[];
+    int32_t* base = dyn;       // [E] this rank's first row at (d, l) (e = d * E_local + l)
+    int32_t* seg = base + ne;  // [E] start of (d, l)'s rows at receiver d
+    int32_t* total = seg + ne;
+    int32_t* running = total + ne;  // [E] plan: this rank's routes per expert in the chunks so far
+    int32_t* m_of = running + ne;   // [R] rows of receiver d's contiguous output
+    const int chunk = plan_chunk_tokens(ne, t_count);
+    const int words = chunk / 32;
+    uint32_t* valid = reinterpret_cast<uint32_t*>(m_of + nr);  // [chunk] bit k: route k kept
+    uint32_t* bitmap = valid + chunk;                          // [E][words] the chunk's tokens per expert
+
+    __shared__ unsigned long long first_bad;
+    __shared__ bool ok;
+    __shared__ unsigned long long dropped;  // senders whose counts failed their check
+    __shared__ int bad_sender;
+    __shared__ DirectOutputs desc[kDirectMaxRanks];
+    __shared__ uint8_t* dst_x[kWarps][kMaxTopk];
+    __shared__ uint32_t* dst_sc[kWarps][kMaxTopk];
+    __shared__ int64_t dst_cs[kWarps][kMaxTopk];
+
+    if (step != kStepFinish) {
+        if (step != kStepMove) {
+            // ---- plan: every block reads every token (one thread each), chunk by chunk ----
+            for (int e = threadIdx.x; e < ne; e += blockDim.x) running[e] = 0;
+            if (threadIdx.x == 0) first_bad = detail::kNoRouteKey;
+            for (int c0 = 0; c0 < t_count; c0 += chunk) {
+                for (int i = threadIdx.x; i < ne * words; i += blockDim.x) bitmap[i] = 0;
+                __syncthreads();
+                for (int tl = threadIdx.x; tl < chunk && c0 + tl < t_count; tl += blockDim.x) {
+                    const int t = c0 + tl;
+                    uint32_t keep = 0;
+                    unsigned long long bad = detail::kNoRouteKey;
+                    for (int k = 0; k < kk; ++k) {
+                        const int64_t v = topk_at<kIdx64>(p, t, k);
+                        if (v == -1) continue;
+                        bool fine = v >= 0 && v < ne;
+                        for (int j = 0; fine && j < k; ++j) fine = topk_at<kIdx64>(p, t, j) != v;
+                        if (!fine) {  // out of range, or a repeat of an earlier column (dropped)
+                            if (bad == detail::kNoRouteKey) bad = detail::route_key(t, k);
+                            continue;
+                        }
+                        keep |= 1u << k;
+                        atomicOr(&bitmap[v * words + tl / 32], 1u << (tl % 32));
+                    }
+                    valid[tl] = keep;
+                    if (bad != detail::kNoRouteKey) atomicMin(&first_bad, bad);
+                }
+                __syncthreads();
+                // positions of this block's share of the chunk's tokens
+                for (int tl = threadIdx.x; tl < chunk && c0 + tl < t_count; tl += blockDim.x) {
+                    const int t = c0 + tl;
+                    if (t % static_cast<int>(gridDim.x) != static_cast<int>(blockIdx.x)) continue;
+                    for (uint32_t m = valid[tl]; m; m &= m - 1) {
+                        const int k = __ffs(m) - 1;
+                        const int e = static_cast<int>(topk_at<kIdx64>(p, t, k));
+                        p.ws.pos_in_expert[t * kk + k] = running[e] + bitmap_rank(bitmap + e * words, tl);
+                    }
+                }
+                __syncthreads();
+                for (int e = threadIdx.x; e < ne; e += blockDim.x) {
+                    int c = 0;
+                    for (int w = 0; w < words; ++w) c += __popc(bitmap[e * words + w]);
+                    running[e] += c;
+                }
+                __syncthreads();
+            }
+            // ---- publish (the last block to finish its plan) ----
+            if (last_block_arrives(&p.ws.arrive[2])) {
+                uint8_t* mine = team.self();
+                int32_t* counts_out = RegionLayout::at<int32_t>(mine, region.published_count_row(parity));
+                for (int e = threadIdx.x; e < ne; e += blockDim.x) counts_out[e] = running[e];
+                if (threadIdx.x == 0) {
+                    const RouteStatus st = resolve_route_status_of<kIdx64>(p, first_bad);
+                    *p.ws.route_status = st;
+                    DirectOutputs* o = RegionLayout::at<DirectOutputs>(mine, region.published_outputs(parity));
+                    o->recv_x = p.recv_x;
+                    o->recv_scales = p.recv_scales;
+                    o->recv_weights = p.recv_weights;
+                    o->recv_src = p.recv_src;
+                    o->m_indices = p.m_indices;
+                    o->scale_expert = p.recv_scale_strides.expert;
+                    o->scale_row = p.recv_scale_strides.row;
+                    o->scale_column = p.recv_scale_strides.column;
+                    o->scales_mn_dynamic = p.scales_mn_dynamic ? 1 : 0;
+                    o->status = st;
+                }
+                Team::fence_gpu();
+                __syncthreads();
+                for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.plan_flag(rank), epoch);
+            }
+            if (step == kStepPublish) return;
+        }
+
+        // ---- tables: every sender's counts and status ----
+        if (threadIdx.x == 0) {
+            ok = wait_all<true>(
+                     team, [&](int q) { return region.plan_flag(q); }, epoch, Deadline::from_now(p.timeout_ns),
+                     kPhaseDispatch, p.record) == WaitStatus::kOk;
+            if (!ok) p.ws.state->timed_out = 1;
+            dropped = 0;
+            bad_sender = nr;
+        }
+        __syncthreads();
+        if (ok) {
+            auto counts_of = [&](int q) {
+                return RegionLayout::at<const int32_t>(team.window(q), region.published_count_row(parity));
+            };
+            for (int i = threadIdx.x; i < nr * 16; i += blockDim.x) {  // every receiver's DirectOutputs
+                const int q = i / 16, w = i % 16;
+                const uint64_t* src =
+                    RegionLayout::at<const uint64_t>(team.window(q), region.published_outputs(parity));
+                reinterpret_cast<uint64_t*>(&desc[q])[w] = __ldcg(reinterpret_cast<const unsigned long long*>(src) + w);
+            }
+            const int64_t per_receiver = int64_t{cap} * (kk < el ? kk : el);
+            for (int i = threadIdx.x; i < nr * nr; i += blockDim.x) {
+                const int s = i / nr, d = i % nr;
+                const int32_t* c = counts_of(s) + d * el;
+                int64_t sum = 0, bad_c = 0;
+                bool each_ok = true;
+                for (int l = 0; l < el; ++l) {
+                    const int64_t v = __ldcg(c + l);
+                    sum += v;
+                    const bool ok_v = v >= 0 && v <= cap;
+                    bad_c = each_ok && !ok_v ? v : bad_c;
+                    each_ok = each_ok && ok_v;
+                }
+                if (!each_ok || sum > per_receiver) {
+                    atomicOr(&dropped, 1ull << s);
+                    if (blockIdx.x == 0)
+                        record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch,
+                                          each_ok ? sum : bad_c, each_ok ? per_receiver : cap);
+                }
+            }
+            __syncthreads();  // desc complete
+            for (int q = threadIdx.x; q < nr; q += blockDim.x)
+                if (reinterpret_cast<volatile int32_t*>(&desc[q].status.kind)[0] != detail::kRouteOk)
+                    atomicMin(&bad_sender, q);
+            __syncthreads();
+            const bool rejected = bad_sender < nr;
+            for (int e = threadIdx.x; e < ne; e += blockDim.x) {
+                int32_t tot = 0, before = 0;
+                for (int s = 0; s < nr; ++s) {
+                    if ((dropped >> s) & 1ull) continue;
+                    const int32_t v = __ldcg(counts_of(s) + e);
+                    before += s < rank ? v : 0;
+                    tot += v;
+                }
+                total[e] = rejected ? 0 : tot;
+                base[e] = rejected ? 0 : before;
+            }
+            __syncthreads();
+            for (int d = threadIdx.x; d < nr; d += blockDim.x) {
+                int64_t at = 0;
+                for (int l = 0; l < el; ++l) {
+                    const int e = d * el + l;
+                    seg[e] = contiguous ? static_cast<int32_t>(at) : static_cast<int32_t>(l * rc);
+                    at += contiguous ? round_up(total[e], p.expert_alignment) : 0;
+                }
+                m_of[d] = static_cast<int32_t>(contiguous ? at : int64_t{el} * rc);
+            }
+            __syncthreads();
+            for (int e = threadIdx.x; e < ne; e += blockDim.x) base[e] += seg[e];
+            // this rank as a receiver: the call's outputs and summary (block 0)
+            if (blockIdx.x == 0) {
+                for (int l = threadIdx.x; l < el; l += blockDim.x) {
+                    const int32_t c = total[rank * el + l];
+                    p.ws.counts[l] = c;
+                    p.ws.offsets[l] = contiguous ? seg[rank * el + l] : 0;
+                    p.ws.expert_load[l] += c;
+                }
+                if (threadIdx.x == 0) {
+                    const int32_t m_rows = contiguous ? m_of[rank] : 0;
+                    p.ws.offsets[el] = m_rows;
+                    p.ws.state->rejected = rejected ? 1 : 0;
+                    p.ws.state->num_rows = m_rows;
+                    p.ws.state->num_rounds = 1;
+                    volatile HostRecord* r = p.record;
+                    r->num_rows = m_rows;
+                    r->bad_sender = rejected ? bad_sender : -1;
+                    r->num_rounds = 1;
+                    if (rejected) {
+                        const RouteStatus b = desc[bad_sender].status;
+                        r->bad.kind = b.kind;
+                        r->bad.token = b.token;
+                        r->bad.k = b.k;
+                        r->bad.dup_of = b.dup_of;
+                        r->bad.value = b.value;
+                        r->bad.sticky = b.sticky;
+                    }
+                    __threadfence_system();
+                }
+            }
+            __syncthreads();
+
+            // ---- move: this rank's rows into their receivers' outputs ----
+            if (!rejected && !((dropped >> rank) & 1ull)) {
+                const int warps_total = gridDim.x * kWarps;
+                const int row_bytes = sh.hidden * (kFP8 ? 1 : 2);
+                const int chunks = row_bytes / 16;
+                const int iters = kFused ? (sh.hidden + 511) / 512 : (chunks + 127) / 128;
+                const int slices = row_slices(t_count, iters, warps_total);
+                const int64_t items = int64_t{t_count} * slices;
+                uint8_t** xs = dst_x[warp];
+                uint32_t** scs = dst_sc[warp];
+                int64_t* css = dst_cs[warp];
+                for (int64_t item = blockIdx.x * kWarps + warp; item < items; item += warps_total) {
+                    const RowSlice slice = row_slice(item, slices, iters);
+                    const int t = slice.row, it0 = slice.begin, it1 = slice.end;
+                    const bool first = slice.first;
+                    const bool active = lane < kk;
+                    const int64_t v = active ? topk_at<kIdx64>(p, t, lane) : -1;
+                    int fault, dup;
+                    const int32_t clean = clean_route(v, active, ne, fault, dup);
+                    const int d = clean >= 0 ? clean / el : 0;
+                    const int l = clean >= 0 ? clean % el : 0;
+                    // the plan kept exactly the routes clean_route keeps
+                    const int32_t row = clean >= 0 ? base[clean] + p.ws.pos_in_expert[t * kk + lane] : -1;
+                    const float w =
+                        (active && p.topk_weights) ? p.topk_weights[t * p.topk_weights_row_stride + lane] : 0.0f;
+                    if (active && first) {
+                        p.ws.clean_idx[t * kk + lane] = clean;
+                        p.ws.route_row[t * kk + lane] = row;
+                        p.ws.route_w[t * kk + lane] = w;
+                    }
+                    const unsigned routes = __ballot_sync(kFullMask, row >= 0);
+                    if (routes == 0) continue;
+                    const int n = __popc(routes);
+                    if (row >= 0) {  // (the previous token's lists were read before the closing __syncwarp)
+                        const DirectOutputs& o = desc[d];
+                        const int i = __popc(routes & lanes_below(lane));
+                        xs[i] = o.recv_x + int64_t{row} * row_bytes;
+                        if constexpr (kFP8) {
+                            if (contiguous) {
+                                scs[i] = o.recv_scales + int64_t{row} * o.scale_row;
+                                css[i] = o.scales_mn_dynamic ? mn_major_stride(m_of[d]) : o.scale_column;
+                            } else {
+                                scs[i] = o.recv_scales + l * o.scale_expert + (int64_t{row} - l * rc) * o.scale_row;
+                                css[i] = o.scale_column;
+                            }
+                        }
+                        if (first) {
+                            o.recv_weights[row] = w;
+                            o.recv_src[row] = rank * cap + t;
+                            if (contiguous) o.m_indices[row] = l;
+                        }
+                    }
+                    __syncwarp();
+                    if constexpr (!kFused) {
+                        // moved as is: 4 loads in flight per lane before their stores
+                        const int64_t row_off = t * p.x_row_stride * (kFP8 ? 1 : 2);
+                        for (int c0 = it0 * 128 + lane; c0 < min(chunks, it1 * 128); c0 += 128) {
+                            uint4 val[4];
+#pragma unroll
+                            for (int u = 0; u < 4; ++u) {
+                                const int c = c0 + 32 * u;
+                                val[u] =
+                                    c < chunks ? load16(p.x, row_off + c * 16, p.x_aligned) : make_uint4(0, 0, 0, 0);
+                            }
+                            for (int i = 0; i < n; ++i)
+#pragma unroll
+                                for (int u = 0; u < 4; ++u)
+                                    if (c0 + 32 * u < chunks) reinterpret_cast<uint4*>(xs[i])[c0 + 32 * u] = val[u];
+                        }
+                        if (kPayload == SendPayload::kFP8Copy && first)
+                            for (int c = lane; c < p.scale_columns; c += 32) {
+                                const uint32_t word = p.x_scales[t * p.x_scales_row_stride + c];
+                                for (int i = 0; i < n; ++i) scs[i][c * css[i]] = word;
+                            }
+                    } else {
+                        // fused quantization: lane owns 16 channels (one 16-byte fp8 store per route); a group
+                        // is G/16 consecutive lanes; the next step's 32 bytes are loaded ahead
+                        const int64_t row_off = t * p.x_row_stride * 2;
+                        const int begin = it0 * 512, end = min(sh.hidden, it1 * 512);
+                        uint4 next0 = make_uint4(0, 0, 0, 0), next1 = next0;
+                        if (begin + lane * 16 < end) {
+                            next0 = load16(p.x, row_off + (begin + lane * 16) * 2, p.x_aligned);
+                            next1 = load16(p.x, row_off + (begin + lane * 16) * 2 + 16, p.x_aligned);
+                        }
+                        for (int b0 = begin; b0 < end; b0 += 512) {
+                            const int ch = b0 + lane * 16;
+                            const bool in = ch < end;
+                            const uint4 raw0 = next0, raw1 = next1;
+                            if (ch + 512 < end) {  // prefetch
+                                next0 = load16(p.x, row_off + (ch + 512) * 2, p.x_aligned);
+                                next1 = load16(p.x, row_off + (ch + 512) * 2 + 16, p.x_aligned);
+                            }
+                            float f[16];
+                            float amax = 0.0f;
+                            const uint32_t wd[8] = {raw0.x, raw0.y, raw0.z, raw0.w, raw1.x, raw1.y, raw1.z, raw1.w};
+#pragma unroll
+                            for (int i = 0; i < 8; ++i) {
+                                f[2 * i] = num::bf16_to_float(static_cast<uint16_t>(wd[i] & 0xffffu));
+                                f[2 * i + 1] = num::bf16_to_float(static_cast<uint16_t>(wd[i] >> 16));
+                            }
+#pragma unroll
+                            for (int i = 0; i < 16; ++i) amax = num::fmax_ignore_nan(amax, num::abs_bits(f[i]));
+#pragma unroll
+                            for (int o = kLanesPerGroup / 2; o > 0; o >>= 1)
+                                amax = num::fmax_ignore_nan(amax, __shfl_xor_sync(kFullMask, amax, o));
+                            amax = num::fmax_ignore_nan(amax, num::kAmaxFloor);
+                            float mul;
+                            uint32_t scale_bits;
+                            if constexpr (kF32Scales) {
+                                scale_bits = num::float_bits(__fdiv_rn(amax, num::kE4M3Max));
+                                mul = __fdiv_rn(num::kE4M3Max, amax);
+                            } else {
+                                const uint8_t byte = num::ue8m0_exponent_byte(__fdiv_rn(amax, num::kE4M3Max));
+                                scale_bits = byte;
+                                mul = num::ue8m0_inverse(byte);
+                            }
+                            uint32_t q[4] = {0, 0, 0, 0};
+#pragma unroll
+                            for (int i = 0; i < 16; i += 2)
+                                q[i / 4] |=
+                                    static_cast<uint32_t>(e4m3x2(__fmul_rn(f[i], mul), __fmul_rn(f[i + 1], mul)))
+                                    << (8 * (i % 4));
+                            if (in)
+                                for (int i = 0; i < n; ++i)
+                                    *reinterpret_cast<uint4*>(xs[i] + ch) = make_uint4(q[0], q[1], q[2], q[3]);
+                            if constexpr (kF32Scales) {
+                                if (in && (lane % kLanesPerGroup) == 0) {
+                                    const int gi = ch / kScaleGroup;
+                                    for (int i = 0; i < n; ++i) scs[i][gi * css[i]] = scale_bits;
+                                }
+                            } else {
+                                // four groups' exponent bytes per scale word (group g in byte g % 4 of word
+                                // g / 4); the word's first lane gathers them; groups past H give 0
+                                constexpr int kLanesPerWord = 4 * kLanesPerGroup;
+                                const int word_lane = lane & ~(kLanesPerWord - 1);
+                                uint32_t word = 0;
+#pragma unroll
+                                for (int b = 0; b < 4; ++b) {
+                                    const uint32_t byte =
+                                        __shfl_sync(kFullMask, in ? scale_bits : 0u, word_lane + b * kLanesPerGroup);
+                                    word |= (byte & 0xffu) << (8 * b);
+                                }
+                                const int wi = ch / (4 * kScaleGroup);
+                                if (in && lane == word_lane && wi < p.scale_columns)
+                                    for (int i = 0; i < n; ++i) scs[i][wi * css[i]] = word;
+                            }
+                        }
+                    }
+                    __syncwarp();
+                }
+            }
+
+            // ---- padding rows of this rank's own outputs (SEMANTICS: metadata always) ----
+            if (!rejected) {
+                const int32_t m_rows = contiguous ? m_of[rank] : 0;
+                const int64_t rows_total =
+                    contiguous ? (p.host_sync ? int64_t{m_rows} : p.num_rows_out) : int64_t{el} * rc;
+                const int32_t* my_seg = seg + rank * el;
+                const int32_t* my_total = total + rank * el;
+                const int row_bytes = sh.hidden * (kFP8 ? 1 : 2);
+                const ScaleStrides& sst = p.recv_scale_strides;
+                const int64_t mn_col = p.scales_mn_dynamic ? mn_major_stride(m_rows) : sst.column;
+                for (int64_t r = blockIdx.x * int64_t{kThreads} + threadIdx.x; r < rows_total;
+                     r += int64_t{gridDim.x} * kThreads) {
+                    int64_t l = 0, pos = 0;
+                    bool pad;
+                    if (contiguous) {
+                        if (r >= m_rows) {
+                            pad = true;
+                        } else {
+                            int lo = 0, hi = el;  // largest l with seg[l] <= r
+                            while (hi - lo > 1) {
+                                const int mid = (lo + hi) / 2;
+                                if (my_seg[mid] <= r)
+                                    lo = mid;
+                                else
+                                    hi = mid;
+                            }
+                            l = lo;
+                            pos = r - my_seg[l];
+                            pad = pos >= my_total[l];
+                        }
+                    } else {
+                        l = r / rc;
+                        pos = r % rc;
+                        pad = pos >= my_total[l];
+                    }
+                    if (!pad) continue;
+                    p.recv_weights[r] = 0.0f;
+                    p.recv_src[r] = -1;
+                    if (contiguous) p.m_indices[r] = -1;
+                    if (p.zero_padding) {
+                        uint4* dst = reinterpret_cast<uint4*>(p.recv_x + r * row_bytes);
+                        for (int c = 0; c < row_bytes / 16; ++c) dst[c] = make_uint4(0, 0, 0, 0);
+                        if constexpr (kFP8)
+                            for (int c = 0; c < p.scale_columns; ++c) {
+                                const int64_t at = contiguous ? r * sst.row + c * mn_col
+                                                              : l * sst.expert + pos * sst.row + c * sst.column;
+                                p.recv_scales[at] = 0;
+                            }
+                    }
+                }
+            }
+        }
+        // ---- every block done: the last one tells every receiver ----
+        if (!ok) {
+            if (blockIdx.x != 0) return;
+        } else if (last_block_arrives(&p.ws.arrive[0])) {
+            for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.sent_flag(rank), epoch);
+        }
+        if (step == kStepMove) return;
+    }
+    // ---- finish (block 0): every sender wrote its rows here ----
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    if (p.ws.state->timed_out == 0 &&
+        wait_all<true>(
+            team, [&](int q) { return region.sent_flag(q); }, epoch, Deadline::from_now(p.timeout_ns), kPhaseDispatch,
+            p.record) != WaitStatus::kOk)
+        p.ws.state->timed_out = 1;
+    *p.ws.epoch = epoch;
+}
+
+template <class Team, bool kNodes>
+__global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombineParams<Team> p) {
+    static_assert(Team::kLoadStore, "the direct path loads peers' memory");
+    const Shape& sh = p.shape;
+    const RegionLayout& region = p.region;
+    const Team& team = p.team;
+    const int rank = team.rank(), nr = sh.num_ranks, kk = sh.num_topk;
+    const int lane = lane_id(), warp = warp_id();
+    const int step = p.step;
+    if (p.ws.state->timed_out != 0) return;
+    const uint64_t epoch = *p.ws.epoch;
+    const int parity = static_cast<int>(epoch & 1);
+    __shared__ bool ok;
+    __shared__ const uint16_t* ys[kDirectMaxRanks];
+    __shared__ const uint16_t* src_list[kWarps][kMaxTopk];
+    __shared__ float w_list[kWarps][kMaxTopk];
+    __shared__ uint8_t end_list[kWarps][kMaxTopk];  // bit 0: last route of its destination; bit 1: of its node
+
+    if (step != kStepFinish) {
+        // ---- publish (block 0): where this rank's y is ----
+        if (step != kStepMove && blockIdx.x == 0) {
+            if (threadIdx.x == 0)
+                *RegionLayout::at<const uint16_t*>(team.self(), region.published_y_word(parity)) = p.y;
+            Team::fence_gpu();
+            __syncthreads();
+            for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.ready_flag(rank), epoch);
+        }
+        if (step == kStepPublish) return;
+        // ---- move: every holder's y, this rank's tokens reduced ----
+        if (threadIdx.x == 0) {
+            ok = wait_all<true>(
+                     team, [&](int q) { return region.ready_flag(q); }, epoch, Deadline::from_now(p.timeout_ns),
+                     kPhaseCombine, p.record) == WaitStatus::kOk;
+            if (!ok) p.ws.state->timed_out = 1;
+        }
+        __syncthreads();
+        if (!ok) return;
+        for (int q = threadIdx.x; q < nr; q += blockDim.x)
+            ys[q] = reinterpret_cast<const uint16_t*>(__ldcg(reinterpret_cast<const unsigned long long*>(
+                RegionLayout::at<const uint64_t>(team.window(q), region.published_y_word(parity)))));
+        __syncthreads();
+        const int warps_total = gridDim.x * kWarps;
+        const int chunks = sh.hidden / 8;
+        const int iters = (chunks + 31) / 32;
+        const int slices = row_slices(p.num_tokens, iters, warps_total);
+        const int64_t items = int64_t{p.num_tokens} * slices;
+        const uint16_t** srcs = src_list[warp];
+        float* wts = w_list[warp];
+        uint8_t* ends = end_list[warp];
+        for (int64_t item = blockIdx.x * kWarps + warp; item < items; item += warps_total) {
+            const RowSlice slice = row_slice(item, slices, iters);
+            const int t = slice.row, it0 = slice.begin, it1 = slice.end;
+            const bool active = lane < kk;
+            const int32_t clean = active ? p.ws.clean_idx[t * kk + lane] : -1;
+            const int d = clean >= 0 ? clean / sh.num_local_experts : -1;
+            const int32_t row = clean >= 0 ? p.ws.route_row[t * kk + lane] : -1;
+            const float w = p.weighted && clean >= 0 ? p.ws.route_w[t * kk + lane] : 1.0f;
+            int n_dest = 0;
+            bool node_end = false;
+            const int dest_at = destination_order<kNodes>(d, sh.node_size(), n_dest, node_end);
+            // every route of a destination, k ascending, destinations in the origin's order
+            const unsigned same = __match_any_sync(kFullMask, d >= 0 ? d : -1 - lane);
+            const int leader = __ffs(same) - 1;
+            const int my_dest_at = __shfl_sync(kFullMask, dest_at, leader);
+            const bool my_node_end = __shfl_sync(kFullMask, node_end, leader);
+            const unsigned valid = __ballot_sync(kFullMask, d >= 0);
+            const int n = __popc(valid);
+            const int key = d >= 0 ? my_dest_at * kWarpSize + lane : 0x7fffffff;
+            int at = 0;
+#pragma unroll 4
+            for (int i = 0; i < kWarpSize; ++i) at += __shfl_sync(kFullMask, key, i) < key;
+            const bool dest_last = d >= 0 && (same >> lane) == 1u;  // no higher lane routes to d
+            __syncwarp();                                           // the previous token's lists are read
+            if (d >= 0) {
+                srcs[at] = row >= 0 ? ys[d] + int64_t{row} * sh.hidden : nullptr;
+                wts[at] = w;
+                ends[at] = static_cast<uint8_t>((dest_last ? 1 : 0) | (dest_last && my_node_end ? 2 : 0));
+            }
+            __syncwarp();
+            for (int b0 = it0 * 32; b0 < min(chunks, it1 * 32); b0 += 32) {
+                const int c = b0 + lane;
+                const bool in = c < chunks;
+                float acc[8], part[8], q[8];
+#pragma unroll
+                for (int i = 0; i < 8; ++i) part[i] = q[i] = 0.0f;
+                if (p.bias != nullptr) {
+                    load_chunk(acc, in ? *reinterpret_cast<const uint4*>(p.bias + t * p.bias_row_stride + c * 8)
+                                       : make_uint4(0, 0, 0, 0));
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+                }
+                for (int j0 = 0; j0 < n; j0 += kBatch) {
+                    uint4 v[kBatch];
+#pragma unroll
+                    for (int b = 0; b < kBatch; ++b) {
+                        const uint16_t* src = j0 + b < n ? srcs[j0 + b] : nullptr;
+                        v[b] = in && src != nullptr ? __ldcg(reinterpret_cast<const uint4*>(src + c * 8))
+                                                    : make_uint4(0, 0, 0, 0);
+                    }
+#pragma unroll
+                    for (int b = 0; b < kBatch; ++b)
+                        if (j0 + b < n) {
+                            fma_chunk(part, wts[j0 + b], v[b]);
+                            const uint8_t e = ends[j0 + b];
+                            if (e & 1) {  // the destination's partial, as the holder would have rounded it
+                                add_partial<kNodes>(acc, q, pack_chunk(part), (e & 2) != 0);
+#pragma unroll
+                                for (int i = 0; i < 8; ++i) part[i] = 0.0f;
+                            }
+                        }
+                }
+                if (in) *reinterpret_cast<uint4*>(p.out + t * p.out_row_stride + c * 8) = pack_chunk(acc);
+            }
+            (void)n_dest;
+        }
+        if (last_block_arrives(&p.ws.arrive[1]))
+            for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.done_flag(rank), epoch);
+        if (step == kStepMove) return;
+    }
+    // ---- finish (block 0): no origin reads this rank's y any more ----
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    if (wait_all<true>(
+            team, [&](int q) { return region.done_flag(q); }, epoch, Deadline::from_now(p.timeout_ns), kPhaseCombine,
+            p.record) != WaitStatus::kOk)
+        p.ws.state->timed_out = 1;
+}
+
+}  // namespace elasticep::kernels
