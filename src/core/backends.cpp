@@ -1,6 +1,7 @@
 // Backend selection: one table keyed by (backend, topology). A backend implements a topology by
-// adding a row here (the issue "Hybrid topology" adds the hybrid rows); a pair without a row is
-// refused with Unsupported before anything is allocated.
+// adding a row here; a pair without a row is refused with Unsupported before anything is allocated.
+// Hybrid: the CPU backend with its emulated scale-out (src/backends/cpu), the CUDA backend with the
+// emulated, NCCL point-to-point or GIN rail (src/backends/cuda/hybrid_backend.cu).
 #include "core/backend.hpp"
 #include "core/check.hpp"
 
@@ -17,6 +18,7 @@ struct BackendEntry {
 constexpr BackendEntry kBackends[] = {
     {BackendKind::kCPU, Topology::kDirect, make_cpu_backend, cpu_reservation_bytes},
     {BackendKind::kCUDA, Topology::kDirect, make_cuda_backend, cuda_reservation_bytes},
+    {BackendKind::kCPU, Topology::kHybrid, make_cpu_backend, cpu_reservation_bytes},
 };
 
 const BackendEntry& find_backend(BackendKind kind, Topology topology) {
