@@ -19,14 +19,12 @@ constexpr BackendEntry kBackends[] = {
     {BackendKind::kCPU, Topology::kDirect, make_cpu_backend, cpu_reservation_bytes},
     {BackendKind::kCUDA, Topology::kDirect, make_cuda_backend, cuda_reservation_bytes},
     {BackendKind::kCPU, Topology::kHybrid, make_cpu_backend, cpu_reservation_bytes},
+    {BackendKind::kCUDA, Topology::kHybrid, make_cuda_hybrid_backend, cuda_hybrid_reservation_bytes},
 };
 
 const BackendEntry& find_backend(BackendKind kind, Topology topology) {
     for (const BackendEntry& e : kBackends)
         if (e.kind == kind && e.topology == topology) return e;
-    if (topology == Topology::kHybrid)
-        raise(ErrorCode::kUnsupported, cat("topology=hybrid is not implemented yet (backend ", backend_name(kind),
-                                           "); build the buffer with topology=direct"));
     raise(ErrorCode::kUnsupported,
           cat("the ", backend_name(kind), " backend does not implement topology=", topology_name(topology)));
 }

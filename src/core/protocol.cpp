@@ -76,6 +76,9 @@ std::string peer_fault_message(const PeerFault& f, int rank) {
         case kPeerToken:
             what = cat("a source token ", f.value, " outside [0, ", f.limit, ")");
             break;
+        case kPeerEpoch:
+            what = cat("a network slab of call #", f.value, " where call #", f.limit, " was expected");
+            break;
         default:
             what = cat("an unknown fault (kind ", f.kind, ")");
             break;

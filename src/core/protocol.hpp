@@ -143,6 +143,7 @@ enum PeerFaultKind : int32_t {
     kPeerPosition = 3,     // a route's position outside its expert's count
     kPeerExpertId = 4,     // an expert id outside [-1, E)
     kPeerToken = 5,        // a source token outside [0, C)
+    kPeerEpoch = 6,        // hybrid: a network slab of another call than the one expected
 };
 
 struct PeerFault {

@@ -6,6 +6,7 @@
 // with T = 0, all routes into one node), consecutive rounds, injected network delay and reordering,
 // bad routes, forged rail data and a missing node.
 #include <cstdlib>
+#include <tuple>
 
 #include "core/testing.hpp"
 #include "harness.hpp"
@@ -413,6 +414,20 @@ TEST(Hybrid, ConfigNamesTheScaleOut) {
         EXPECT_EQ(parse_scaleout(scaleout_name(so)), so);
     EXPECT_TRUE(throws_error([] { parse_scaleout("rdma"); }, ErrorCode::kInvalidArgument,
                              {"unknown scaleout 'rdma'", "auto, gin, nccl, emulated"}));
+    // the network hop a buffer uses: the CPU backend's emulated one with several nodes, none otherwise
+    for (const auto& [topology, rpn, want] : std::vector<std::tuple<Topology, int, std::string>>{
+             {Topology::kHybrid, 2, "emulated"}, {Topology::kHybrid, 4, "none"}, {Topology::kDirect, 2, "none"}}) {
+        BufferConfig c = s.cfg;
+        c.topology = topology;
+        c.ranks_per_node = rpn;
+        c.scaleout = ScaleOut::kAuto;
+        auto g = ThreadGroup::create(4, std::chrono::seconds(20));
+        std::vector<std::string> used(4);
+        all_ok(run_ranks(4, [&](int r) {
+            used[static_cast<size_t>(r)] = Buffer::create(g[static_cast<size_t>(r)], c, BackendKind::kCPU)->scaleout();
+        }));
+        EXPECT_EQ(used, std::vector<std::string>(4, want)) << topology_name(topology) << " P=" << rpn;
+    }
     // every rank must agree on it: a differing scaleout is named by Buffer::create
     auto groups = ThreadGroup::create(4, std::chrono::seconds(20));
     const auto errors = run_ranks(4, [&](int r) {

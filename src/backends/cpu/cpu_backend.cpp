@@ -419,6 +419,7 @@ class CpuBackend final : public BackendBuffer {
     size_t reserved_bytes() const override { return cpu_reservation_bytes(cfg_, num_ranks_); }
 
     std::vector<int64_t> expert_load() override { return load_; }
+    std::string scaleout() const override { return hybrid_ && nodes_ > 1 ? "emulated" : "none"; }
     void reset_expert_load() override { std::fill(load_.begin(), load_.end(), 0); }
 
     void check() override {
