@@ -284,6 +284,11 @@ int run_scaleout(const Ctx& cx, ScaleOut so) {
     return failing_ranks(cx, failures);
 }
 
+// Buffers of the timeout cases are never destroyed: tearing down a rail whose peer aborted its NCCL
+// communicator is not what is tested, and the job ends with MPI_Finalize + _Exit instead.
+std::vector<std::shared_ptr<Buffer>> g_kept;
+std::vector<std::unique_ptr<CudaMemory>> g_kept_memory;
+
 int run_timeout(const Ctx& cx, ScaleOut so) {
     Scenario s = base(cx, so);
     s.cfg.timeout = std::chrono::milliseconds(2000);
@@ -293,11 +298,13 @@ int run_timeout(const Ctx& cx, ScaleOut so) {
     const auto data = make_inputs(s);
     int failures = 0;
     {
-        CudaMemory mem(cx.device);
+        g_kept_memory.push_back(std::make_unique<CudaMemory>(cx.device));
+        CudaMemory& mem = *g_kept_memory.back();
         const DispatchArgs a0 = make_args(
             s, data[static_cast<size_t>(cx.rank)], [&](const void* p, size_t n) { return mem.place(p, n); },
             mem.device());
         auto gpu = Buffer::create(cx.gpu_group, s.cfg, BackendKind::kCUDA);
+        g_kept.push_back(gpu);
         cx.gpu_group->barrier();
         const bool node0 = cx.rank < cx.per_node;
         if (node0) {
@@ -373,5 +380,11 @@ int main(int argc, char** argv) {
     }
     std::printf("rank %d: hybrid across processes (%d nodes x %d ranks)%s: %s\n", cx.rank, 2, cx.per_node,
                 timeout_case ? ", timeouts" : "", failures ? "FAILED" : "ok");
+    if (timeout_case) {
+        std::fflush(stdout);
+        std::fflush(stderr);
+        MPI_Finalize();
+        std::_Exit(failures ? 1 : 0);
+    }
     return failures ? 1 : 0;
 }

@@ -237,10 +237,10 @@ struct HybridWorkspace {
     ELASTICEP_HD static HybridWorkspace carve(const HybridShape& s, void* base) {
         HybridWorkspace w{};
         Carve c;
-        auto* b = static_cast<uint8_t*>(base);
+        const uintptr_t b = reinterpret_cast<uintptr_t>(base);  // null: sizing only
         auto take = [&](auto*& ptr, int64_t count) {
             using T = std::remove_reference_t<decltype(*ptr)>;
-            ptr = reinterpret_cast<T*>(b + c.take(count * static_cast<int64_t>(sizeof(T))));
+            ptr = reinterpret_cast<T*>(b + static_cast<uintptr_t>(c.take(count * static_cast<int64_t>(sizeof(T)))));
         };
         const int64_t routes = int64_t{s.capacity} * s.num_topk;
         take(w.clean_idx, routes);

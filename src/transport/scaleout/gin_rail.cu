@@ -12,11 +12,9 @@
 //              (one increment per call and phase), bounded; a timeout names the missing rail peers.
 #include "transport/scaleout/rail.hpp"
 
-#if defined(ELASTICEP_HAVE_NCCL)
+#if defined(ELASTICEP_HAVE_NCCL) && defined(ELASTICEP_HAVE_NCCL_DEVICE)  // CMake: nccl_device.h of NCCL 2.28+
 #include <nccl.h>
-#if NCCL_VERSION_CODE >= 22800
 #define ELASTICEP_GIN 1
-#endif
 #endif
 
 #if defined(ELASTICEP_GIN)
@@ -190,8 +188,8 @@ std::unique_ptr<Rail> make_gin_rail(std::shared_ptr<NcclComm> comm, const kernel
 std::unique_ptr<Rail> make_gin_rail(std::shared_ptr<NcclComm>, const kernels::hybrid::RailRegion&, int, cudaStream_t,
                                     int) {
     detail::raise(ErrorCode::kUnsupported,
-                  "scaleout=gin needs NCCL 2.28 or later with its device API at build time; this build has "
-                  "none; use scaleout=nccl or emulated");
+                  "scaleout=gin needs NCCL 2.28 or later with its device API headers (nccl_device.h) at build time; "
+                  "this build has none; use scaleout=nccl or emulated");
 }
 
 #endif
