@@ -92,6 +92,13 @@ class GinRail final : public Rail {
         : comm_(std::move(comm)), bytes_(static_cast<size_t>(region.bytes)), node_(node) {
         try {
             build(region, device, stream);
+        } catch (const Error& e) {
+            release();
+            // an NCCL call of the GIN set-up that fails (ncclMemAlloc, the window) means no GIN here either
+            if (e.code() == ErrorCode::kNccl)
+                detail::raise(ErrorCode::kUnsupported, "scaleout=gin: setting up GIN on the rail failed: " +
+                                                           e.message() + "; use scaleout=nccl");
+            throw;
         } catch (...) {
             release();
             throw;
