@@ -10,6 +10,7 @@
 //              bytes: the signal alone. Then a flush (the send slabs may be rewritten by the next call).
 // wait_kernel  one thread. Until signal (phase, p) reached the call's epoch for every other node p
 //              (one increment per call and phase), bounded; a timeout names the missing rail peers.
+#include "core/check.hpp"
 #include "transport/scaleout/rail.hpp"
 
 #if defined(ELASTICEP_HAVE_NCCL) && defined(ELASTICEP_HAVE_NCCL_DEVICE)  // CMake: nccl_device.h of NCCL 2.28+
@@ -195,8 +196,8 @@ std::unique_ptr<Rail> make_gin_rail(std::shared_ptr<NcclComm> comm, const kernel
 std::unique_ptr<Rail> make_gin_rail(std::shared_ptr<NcclComm>, const kernels::hybrid::RailRegion&, int, cudaStream_t,
                                     int) {
     detail::raise(ErrorCode::kUnsupported,
-                  "scaleout=gin needs NCCL 2.28 or later with its device API headers (nccl_device.h) at build time; "
-                  "this build has none; use scaleout=nccl or emulated");
+                  "scaleout=gin: GIN (NCCL's device API: NCCL 2.28 or later with its nccl_device.h headers at build "
+                  "time) is not compiled into this build; use scaleout=nccl or emulated");
 }
 
 #endif
