@@ -456,7 +456,24 @@ class CudaHybridBackend final : public BackendBuffer {
         };
         bool nccl_everywhere = true;
         for (const Able& a : group.all_gather_value(Able{why_not.empty() ? 1 : 0})) nccl_everywhere &= a.ok != 0;
-        if (asked == ScaleOut::kEmulated || (asked == ScaleOut::kAuto && !nccl_everywhere)) {
+        // auto: NCCL where it starts on every rail (libnccl loads, the communicators form), else emulated
+        std::shared_ptr<so::NcclComm> comm;
+        if (asked != ScaleOut::kEmulated && nccl_everywhere) {
+            std::exception_ptr f;
+            try {
+                comm = so::make_nccl_comm(*rail_group_, dev_);
+            } catch (...) {
+                f = std::current_exception();
+            }
+            if (asked != ScaleOut::kAuto) {
+                agree(group, f, "to create the rail's NCCL communicator");
+            } else {
+                bool everywhere = true;
+                for (const Able& a : group.all_gather_value(Able{f ? 0 : 1})) everywhere &= a.ok != 0;
+                if (!everywhere) comm.reset();
+            }
+        }
+        if (comm == nullptr) {
             std::exception_ptr f;
             try {
                 rail_ = so::make_emulated_rail(*rail_group_, rail_region_, dev_, own_stream_, shape_.node, shape_.local,
@@ -467,16 +484,6 @@ class CudaHybridBackend final : public BackendBuffer {
             agree(group, f, "to map the emulated network (scaleout=emulated needs every rank on one host)");
             scaleout_used_ = "emulated";
             return;
-        }
-        std::shared_ptr<so::NcclComm> comm;
-        {
-            std::exception_ptr f;
-            try {
-                comm = so::make_nccl_comm(*rail_group_, dev_);
-            } catch (...) {
-                f = std::current_exception();
-            }
-            agree(group, f, "to create the rail's NCCL communicator");
         }
         if (asked == ScaleOut::kGin || asked == ScaleOut::kAuto) {
             std::exception_ptr f;
