@@ -1,11 +1,13 @@
 # Whether and how ElasticEP uses NCCL, after the CUDA detection of the root CMakeLists.txt.
 #
 # ELASTICEP_NCCL (cache): AUTO (default: use NCCL when FindNCCL finds it), ON (required: configure
-# fails without it), OFF (not searched). Today the library reads only NCCL_VERSION_CODE from nccl.h
-# (for `elasticep info`), so AUTO without NCCL builds everything and leaves the NCCL version empty.
-# A feature that calls NCCL's API (hybrid topology, NCCL point-to-point) makes ON its default for
-# that feature, links NCCL::nccl PRIVATE and adds find_dependency(NCCL) (with cmake/FindNCCL.cmake
-# installed next to elasticepConfig.cmake) for consumers of the static library.
+# fails without it), OFF (not searched). The library compiles against NCCL's headers only: nccl.h
+# (NCCL_VERSION_CODE for `elasticep info`, the host API's types) and the device API of nccl_device/
+# (the hybrid topology's GIN rail, compiled into its kernels). The hybrid topology's NCCL host calls
+# (scaleout=nccl and gin) go through libnccl loaded at run time (src/transport/scaleout/nccl_api.hpp:
+# libnccl.so.2, else the NCCL_LIBRARY found here), so neither the static library nor its consumers
+# link libnccl, and the exported targets name no NCCL. AUTO without NCCL builds everything; hybrid
+# then offers scaleout=emulated only.
 #
 # Sets ELASTICEP_WITH_NCCL (ON when found and used) and prints one "ElasticEP NCCL:" line.
 set(ELASTICEP_NCCL "AUTO" CACHE STRING "Use NCCL: AUTO (when found), ON (required), OFF")
@@ -26,7 +28,7 @@ else()
   if(NCCL_FOUND)
     set(ELASTICEP_WITH_NCCL ON)
     message(STATUS "ElasticEP NCCL: ${NCCL_VERSION} from ${NCCL_FOUND_IN} (${NCCL_INCLUDE_DIR}/nccl.h, "
-                   "${NCCL_LIBRARY}); used for its version only")
+                   "${NCCL_LIBRARY}); headers at build time, the library loaded at run time by the hybrid scale-out")
   else()
     set(_searched "searched NCCL_ROOT, NCCL_HOME, CMAKE_PREFIX_PATH, the CUDA toolkit")
     if(CMAKE_CUDA_COMPILER)

@@ -293,6 +293,9 @@ BufferConfig Scenario::buffer_config() const {
     c.max_tokens_per_rank = capacity > 0 ? capacity : std::max(tokens, 1);  // C >= 1 even when every rank is empty
     c.payload = payload;
     c.scale_format = scale_format;
+    c.topology = topology;
+    c.ranks_per_node = ranks_per_node;
+    c.scaleout = scaleout;
     c.num_sms = num_sms;
     c.timeout = std::chrono::milliseconds(timeout_ms);
     return c;
@@ -360,6 +363,11 @@ std::string Scenario::describe() const {
     if (skew != 0.8) os << ", skew " << skew;
     if (drop > 0) os << ", drop " << drop;
     os << ", idx " << (idx_int64 ? "int64" : "int32");
+    if (topology == Topology::kHybrid || ranks_per_node != 0) {
+        const int p = ranks_per_node == 0 ? num_ranks : ranks_per_node;
+        os << ", " << topology_name(topology) << " " << (p > 0 ? num_ranks / p : 0) << " nodes x " << p << " ranks";
+        if (topology == Topology::kHybrid) os << " (scaleout " << scaleout_name(scaleout) << ")";
+    }
     return os.str();
 }
 
@@ -477,6 +485,7 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
         BufferConfig rank_cfg = cfg;
         rank_cfg.device = dev->device();
         auto buf = Buffer::create(group, rank_cfg, rep.backend);
+        if (r == 0) rep.scaleout = buf->scaleout();
         const int64_t t_count = in.input.num_tokens;
 
         DispatchArgs args;

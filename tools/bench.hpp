@@ -39,7 +39,10 @@ struct Scenario {
     double skew = 0.8;      // expert popularity ~ 1/(rank+1)^skew (0 = uniform)
     double drop = 0.0;      // probability that a route is -1
     BackendKind backend = BackendKind::kAuto;
-    int num_gpus = 1;  // cuda: rank r runs on GPU r % num_gpus
+    Topology topology = Topology::kDirect;
+    int ranks_per_node = 0;               // 0 = all ranks one node
+    ScaleOut scaleout = ScaleOut::kAuto;  // hybrid's network hop
+    int num_gpus = 1;                     // cuda: rank r runs on GPU r % num_gpus
     int num_sms = 0;
     bool back_to_back = true;  // also time `rounds` calls enqueued without host synchronisation
     bool graph = false;        // cuda: also time replays of a captured dispatch + combine
@@ -94,7 +97,8 @@ struct BenchReport {
     std::vector<std::string> failures;  // first mismatches, "round r rank d: ..."
     double hbm_gbps = 0;                // the floor's denominator, 0 when no floor is shown
     bool hbm_measured = false;
-    std::string gpu;  // GPU name (cuda)
+    std::string gpu;       // GPU name (cuda)
+    std::string scaleout;  // the network hop the buffers used (Buffer::scaleout(): "none" for direct)
     double setup_s = 0, oracle_s = 0, wall_s = 0;
 };
 

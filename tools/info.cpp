@@ -137,6 +137,9 @@ int run_info_command(InfoOptions& o) {
         c["payload"] = payload_name(cfg.payload);
         if (cfg.payload == Payload::kFP8) c["scale_format"] = scale_format_name(cfg.scale_format);
         c["alignment"] = s.alignment;
+        c["topology"] = topology_name(cfg.topology);
+        c["ranks_per_node"] = cfg.ranks_per_node;
+        c["scaleout"] = scaleout_name(cfg.scaleout);
         const int cols = cfg.payload == Payload::kFP8 ? scale_columns(cfg.scale_format, cfg.hidden) : 0;
         const int64_t msg =
             MessageLayout::make(cfg.hidden, cfg.num_topk, cfg.payload == Payload::kFP8 ? 1 : 2, cols).bytes;

@@ -101,10 +101,10 @@ void add_json_option(CLI::App* app, JsonOutput& j, const char* what) {
 
 // Choice options are read as text (CLI11 checks membership, the library parses the name).
 struct Choices {
-    std::string payload = "fp8", scale_format = "f32_g128", backend = "auto";
+    std::string payload = "fp8", scale_format = "f32_g128", backend = "auto", topology = "direct", scaleout = "auto";
 };
 
-// The buffer-shape options bench and info share (one line each: a later --topology goes here).
+// The buffer-shape options bench and info share (one line each).
 // `tokens_list`: bench takes a comma list (one report row per value); info one value. Returns
 // the options so info can tell whether any was given.
 std::vector<CLI::Option*> add_shape_options(CLI::App* app, Scenario& s, Choices& c, std::vector<int>* tokens_list) {
@@ -148,6 +148,22 @@ std::vector<CLI::Option*> add_shape_options(CLI::App* app, Scenario& s, Choices&
     o.push_back(app->add_option("--backend", c.backend, "backend (auto = cuda when a GPU is usable, else cpu)")
                     ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
                     ->capture_default_str());
+    o.push_back(app->add_option("--topology", c.topology,
+                                "direct (every rank writes into every peer) or hybrid (one network hop per "
+                                "destination node, then NVLink forwarding)")
+                    ->check(CLI::IsMember({"direct", "hybrid"}))
+                    ->capture_default_str());
+    o.push_back(app->add_option("--ranks-per-node", s.ranks_per_node,
+                                "ranks per node P, a divisor of --ranks (0 = all ranks one node); with several nodes "
+                                "combine reduces per node first")
+                    ->check(int_range(0))
+                    ->capture_default_str());
+    o.push_back(app->add_option("--scaleout", c.scaleout,
+                                "hybrid's network hop: emulated (peer copies; one host), nccl (NCCL point-to-point: "
+                                "its rail ranks must not share a GPU inside this process, e.g. --gpus with one node "
+                                "per GPU), gin (NCCL GIN: needs an RDMA NIC), auto")
+                    ->check(CLI::IsMember({"auto", "emulated", "nccl", "gin"}))
+                    ->capture_default_str());
     return o;
 }
 
@@ -155,6 +171,8 @@ void apply_choices(Scenario& s, const Choices& c) {
     s.payload = parse_payload(c.payload);
     s.scale_format = parse_scale_format(c.scale_format);
     s.backend = parse_backend(c.backend);
+    s.topology = parse_topology(c.topology);
+    s.scaleout = parse_scaleout(c.scaleout);
 }
 
 // Library validation of a whole scenario (E % R, H vs scale group, capacity...), reported as a

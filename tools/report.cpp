@@ -107,6 +107,7 @@ std::string format_report(const std::vector<BenchReport>& reports) {
     char line[512];
     os << "elasticep bench: " << backend_name(first.backend) << " backend"
        << (first.gpu.empty() ? "" : " (" + first.gpu + ")") << ", " << s.describe() << "\n";
+    if (s.topology == Topology::kHybrid) os << "network hop: " << first.scaleout << "\n";
     os << "rounds: " << s.rounds << " timed + " << s.warmup << " warm-up per row, seed " << s.seed
        << "; latency = the slowest rank per round, median of the timed rounds; isolated: the ranks meet at a barrier "
           "before every call";
@@ -196,6 +197,7 @@ std::string report_json(const std::vector<BenchReport>& reports, int indent) {
         const Scenario& s = first.scenario;
         j["backend"] = backend_name(first.backend);
         j["gpu"] = first.gpu.empty() ? Json() : Json(first.gpu);
+        j["scaleout"] = first.scaleout;
         j["scenario"] = {
             {"ranks", s.num_ranks},
             {"gpus", first.backend == BackendKind::kCUDA ? Json(s.num_gpus) : Json()},
@@ -206,6 +208,9 @@ std::string report_json(const std::vector<BenchReport>& reports, int indent) {
             {"topk", s.num_topk},
             {"payload", payload_name(s.payload)},
             {"scale_format", s.payload == Payload::kFP8 ? Json(scale_format_name(s.scale_format)) : Json()},
+            {"topology", topology_name(s.topology)},
+            {"ranks_per_node", s.ranks_per_node},
+            {"scaleout", scaleout_name(s.scaleout)},
             {"prequantized", s.prequantized},
             {"layout", layout_name(s.layout)},
             {"alignment", s.alignment},

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "elasticep/config.hpp"
@@ -127,6 +128,9 @@ class Buffer {
 
     const BufferConfig& config() const;
     BackendKind backend() const;
+    // The network hop this buffer uses: "emulated", "nccl" or "gin" for topology=hybrid with several
+    // nodes (what scaleout=auto chose), "none" otherwise.
+    std::string scaleout() const;
     int rank() const;
     int num_ranks() const;
     int num_local_experts() const;

@@ -82,7 +82,10 @@ class Buffer:
         payload: ``"bf16"`` or ``"fp8"`` (OCP E4M3 on the wire).
         scale_format: fp8 scales: ``"f32_g128"``, ``"ue8m0_g128"`` or ``"ue8m0_g32"``.
         topology: ``"direct"`` or ``"hybrid"``.
-        ranks_per_node: hybrid only: ranks sharing NVLink (0 = all).
+        ranks_per_node: ranks sharing NVLink, a divisor of the number of ranks (0 = all ranks one
+            node); with several nodes combine reduces per node first (docs/SEMANTICS.md).
+        scaleout: hybrid's network transport: ``"auto"``, ``"emulated"``, ``"nccl"`` or ``"gin"``
+            (``"auto"`` for direct).
         num_sms: SMs for the CUDA kernels in [0, 1024] (0 = chosen from a bandwidth model).
         timeout: seconds any wait on a peer may take before :class:`elasticep.TimeoutError`: finite,
             from 1 ms to 7 days.
@@ -98,8 +101,8 @@ class Buffer:
     """
 
     def __init__(self, group, num_experts, num_topk, hidden, max_tokens_per_rank, payload="bf16",
-                 scale_format="f32_g128", topology="direct", ranks_per_node=0, num_sms=0, timeout=30.0,
-                 backend="auto", device=None):
+                 scale_format="f32_g128", topology="direct", ranks_per_node=0, scaleout="auto", num_sms=0,
+                 timeout=30.0, backend="auto", device=None):
         params = dict(locals())  # this signature is the one list of Buffer's (and get_buffer's) options
         del params["self"], params["group"]
         self._init(group, params, cached=False)

@@ -683,7 +683,9 @@ NB_MODULE(_C, m) {
             "topology", [](BufferConfig& c) -> Topology& { return c.topology; }, parse_topology, topology_name)
         .integer(
             "ranks_per_node", [](BufferConfig& c) -> int& { return c.ranks_per_node; },
-            "[0, number of ranks] (hybrid only)")
+            "0 (all ranks one node) or a divisor of the number of ranks")
+        .choice(
+            "scaleout", [](BufferConfig& c) -> ScaleOut& { return c.scaleout; }, parse_scaleout, scaleout_name)
         .integer(
             "num_sms", [](BufferConfig& c) -> int& { return c.num_sms; }, "[0, 1024]")
         .seconds("timeout", [](BufferConfig& c) -> std::chrono::milliseconds& { return c.timeout; })

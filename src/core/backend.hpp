@@ -53,6 +53,8 @@ class BackendBuffer {
     // Cumulative rows received per local expert (kept by the backend so graph mode needs no sync).
     virtual std::vector<int64_t> expert_load() = 0;
     virtual void reset_expert_load() = 0;
+    // Buffer::scaleout(): the network transport of a hybrid buffer with several nodes, else "none".
+    virtual std::string scaleout() const { return "none"; }
     // Test-only fault injection (core/testing.hpp): lets a test play a peer that breaks the protocol.
     virtual void set_dispatch_forger(testing::DispatchForger) {
         raise(ErrorCode::kUnsupported,
@@ -69,7 +71,7 @@ struct BackendContext {
 };
 
 // A backend for (kind, topology) from the table in src/core/backends.cpp (kind already resolved:
-// not kAuto); Unsupported for a pair no backend implements (today: every hybrid pair).
+// not kAuto); Unsupported for a pair no backend implements.
 std::unique_ptr<BackendBuffer> make_backend(BackendKind kind, Topology topology, const BackendContext& ctx);
 size_t backend_reservation_bytes(BackendKind kind, Topology topology, const BufferConfig& config, int num_ranks);
 
@@ -90,5 +92,8 @@ bool cuda_backend_compiled();
 bool cuda_backend_available();
 std::unique_ptr<BackendBuffer> make_cuda_backend(const BackendContext& ctx);
 size_t cuda_reservation_bytes(const BufferConfig& config, int num_ranks);
+// The hybrid topology's launch sequence (src/backends/cuda/hybrid_backend.cu).
+std::unique_ptr<BackendBuffer> make_cuda_hybrid_backend(const BackendContext& ctx);
+size_t cuda_hybrid_reservation_bytes(const BufferConfig& config, int num_ranks);
 
 }  // namespace elasticep::detail

@@ -1,6 +1,7 @@
 // Backend selection: one table keyed by (backend, topology). A backend implements a topology by
-// adding a row here (the issue "Hybrid topology" adds the hybrid rows); a pair without a row is
-// refused with Unsupported before anything is allocated.
+// adding a row here; a pair without a row is refused with Unsupported before anything is allocated.
+// Hybrid: the CPU backend with its emulated scale-out (src/backends/cpu), the CUDA backend with the
+// emulated, NCCL point-to-point or GIN rail (src/backends/cuda/hybrid_backend.cu).
 #include "core/backend.hpp"
 #include "core/check.hpp"
 
@@ -17,14 +18,13 @@ struct BackendEntry {
 constexpr BackendEntry kBackends[] = {
     {BackendKind::kCPU, Topology::kDirect, make_cpu_backend, cpu_reservation_bytes},
     {BackendKind::kCUDA, Topology::kDirect, make_cuda_backend, cuda_reservation_bytes},
+    {BackendKind::kCPU, Topology::kHybrid, make_cpu_backend, cpu_reservation_bytes},
+    {BackendKind::kCUDA, Topology::kHybrid, make_cuda_hybrid_backend, cuda_hybrid_reservation_bytes},
 };
 
 const BackendEntry& find_backend(BackendKind kind, Topology topology) {
     for (const BackendEntry& e : kBackends)
         if (e.kind == kind && e.topology == topology) return e;
-    if (topology == Topology::kHybrid)
-        raise(ErrorCode::kUnsupported, cat("topology=hybrid is not implemented yet (backend ", backend_name(kind),
-                                           "); build the buffer with topology=direct"));
     raise(ErrorCode::kUnsupported,
           cat("the ", backend_name(kind), " backend does not implement topology=", topology_name(topology)));
 }

@@ -102,7 +102,7 @@ std::string get_message(const char (&src)[kWireMessage]) { return std::string(sr
 // The fields every rank must agree on (BufferConfig::group_key's fields, and the backend).
 struct ConfigWire {
     int32_t num_experts, num_topk, hidden, max_tokens_per_rank, payload, scale_format, topology, ranks_per_node,
-        num_sms, backend;
+        scaleout, num_sms, backend;
     int64_t timeout_ms;
 };
 
@@ -115,6 +115,7 @@ ConfigWire to_wire(const BufferConfig& c, BackendKind kind) {
                       int32_t(c.scale_format),
                       int32_t(c.topology),
                       c.ranks_per_node,
+                      int32_t(c.scaleout),
                       c.num_sms,
                       int32_t(kind),
                       static_cast<int64_t>(c.timeout.count())};
@@ -138,6 +139,7 @@ std::string config_difference(const ConfigWire& ref, int ref_rank, const ConfigW
           scale_format_name(ScaleFormat(ref.scale_format)), scale_format_name(ScaleFormat(other.scale_format)));
     field("topology", topology_name(Topology(ref.topology)), topology_name(Topology(other.topology)));
     field("ranks_per_node", num(ref.ranks_per_node), num(other.ranks_per_node));
+    field("scaleout", scaleout_name(ScaleOut(ref.scaleout)), scaleout_name(ScaleOut(other.scaleout)));
     field("num_sms", num(ref.num_sms), num(other.num_sms));
     field("timeout_ms", num(ref.timeout_ms), num(other.timeout_ms));
     field("backend", backend_name(BackendKind(ref.backend)), backend_name(BackendKind(other.backend)));
@@ -638,6 +640,7 @@ std::vector<int64_t> Buffer::expert_load() const { return impl_->expert_load(); 
 void Buffer::reset_expert_load() { impl_->reset_expert_load(); }
 const BufferConfig& Buffer::config() const { return impl_->config_; }
 BackendKind Buffer::backend() const { return impl_->backend_kind_; }
+std::string Buffer::scaleout() const { return impl_->backend_->scaleout(); }
 int Buffer::rank() const { return impl_->rank_; }
 int Buffer::num_ranks() const { return impl_->num_ranks_; }
 int Buffer::num_local_experts() const { return impl_->config_.num_local_experts(impl_->num_ranks_); }

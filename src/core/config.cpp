@@ -25,6 +25,20 @@ const char* scale_format_name(ScaleFormat f) {
 const char* topology_name(Topology t) { return t == Topology::kDirect ? "direct" : "hybrid"; }
 const char* layout_name(Layout l) { return l == Layout::kExpertContiguous ? "contiguous" : "masked"; }
 
+const char* scaleout_name(ScaleOut s) {
+    switch (s) {
+        case ScaleOut::kAuto:
+            return "auto";
+        case ScaleOut::kGin:
+            return "gin";
+        case ScaleOut::kNccl:
+            return "nccl";
+        case ScaleOut::kEmulated:
+            return "emulated";
+    }
+    return "?";
+}
+
 const char* backend_name(BackendKind b) {
     switch (b) {
         case BackendKind::kAuto:
@@ -65,6 +79,10 @@ Topology parse_topology(const std::string& s) {
 Layout parse_layout(const std::string& s) {
     static constexpr Layout kAll[] = {Layout::kExpertContiguous, Layout::kExpertMasked};
     return parse_enum(s, "layout", kAll, layout_name);
+}
+ScaleOut parse_scaleout(const std::string& s) {
+    static constexpr ScaleOut kAll[] = {ScaleOut::kAuto, ScaleOut::kGin, ScaleOut::kNccl, ScaleOut::kEmulated};
+    return parse_enum(s, "scaleout", kAll, scaleout_name);
 }
 BackendKind parse_backend(const std::string& s) {
     static constexpr BackendKind kAll[] = {BackendKind::kAuto, BackendKind::kCPU, BackendKind::kCUDA};
@@ -141,14 +159,17 @@ void BufferConfig::validate(int num_ranks) const {
                         "] (0 picks it automatically)");
     validate_timeout(timeout, "timeout");
     ELASTICEP_CHECK_ARG(device >= -1, "device=", device, " must be -1 (the current device) or a device index >= 0");
-    if (topology == Topology::kHybrid) {
-        const int rpn = ranks_per_node == 0 ? num_ranks : ranks_per_node;
-        ELASTICEP_CHECK_ARG(rpn >= 1 && num_ranks % rpn == 0, "ranks_per_node=", ranks_per_node,
-                            " must divide the number of ranks (", num_ranks, ") for hybrid topology");
-    } else {
-        ELASTICEP_CHECK_ARG(ranks_per_node == 0 || ranks_per_node == num_ranks, "ranks_per_node=", ranks_per_node,
-                            " only applies to hybrid topology; leave it 0 for direct");
-    }
+    ELASTICEP_CHECK_ARG(scaleout == ScaleOut::kAuto || scaleout == ScaleOut::kGin || scaleout == ScaleOut::kNccl ||
+                            scaleout == ScaleOut::kEmulated,
+                        "scaleout=", static_cast<int>(scaleout), " is not a ScaleOut (auto, gin, nccl or emulated)");
+    ELASTICEP_CHECK_ARG(ranks_per_node >= 0 && ranks_per_node <= num_ranks && node_size(num_ranks) >= 1 &&
+                            num_ranks % node_size(num_ranks) == 0,
+                        "ranks_per_node=", ranks_per_node, " must divide the number of ranks (", num_ranks,
+                        "), or be 0 for all ranks in one node");
+    ELASTICEP_CHECK_ARG(topology == Topology::kHybrid || scaleout == ScaleOut::kAuto,
+                        "scaleout=", scaleout_name(scaleout),
+                        " only applies to topology=hybrid (the network hop between nodes); leave it auto for "
+                        "topology=direct");
 }
 
 std::string BufferConfig::key() const { return detail::cat(group_key(), ".dev", device); }
@@ -156,7 +177,7 @@ std::string BufferConfig::key() const { return detail::cat(group_key(), ".dev", 
 std::string BufferConfig::group_key() const {
     return detail::cat("E", num_experts, ".K", num_topk, ".H", hidden, ".C", max_tokens_per_rank, ".",
                        payload_name(payload), ".", scale_format_name(scale_format), ".", topology_name(topology),
-                       ".rpn", ranks_per_node, ".sms", num_sms, ".t", timeout.count());
+                       ".rpn", ranks_per_node, ".", scaleout_name(scaleout), ".sms", num_sms, ".t", timeout.count());
 }
 
 std::string BufferConfig::describe() const {
@@ -164,7 +185,8 @@ std::string BufferConfig::describe() const {
                                 " max_tokens_per_rank=", max_tokens_per_rank, " payload=", payload_name(payload));
     if (payload == Payload::kFP8) s += detail::cat(" scale_format=", scale_format_name(scale_format));
     s += detail::cat(" topology=", topology_name(topology));
-    if (topology == Topology::kHybrid) s += detail::cat(" ranks_per_node=", ranks_per_node);
+    if (topology == Topology::kHybrid || ranks_per_node != 0) s += detail::cat(" ranks_per_node=", ranks_per_node);
+    if (topology == Topology::kHybrid) s += detail::cat(" scaleout=", scaleout_name(scaleout));
     s += detail::cat(" num_sms=", num_sms, " timeout_ms=", timeout.count());
     return s;
 }

@@ -49,6 +49,20 @@ std::string timeout_message(int32_t phase, int rank, int64_t timeout_ms, const M
                " or is stuck. This buffer is unusable now: rebuild it");
 }
 
+std::string hybrid_timeout_message(int32_t phase, int32_t hop, int rank, int64_t timeout_ms,
+                                   const MissingPeers& missing, uint64_t expected, int ranks_per_node) {
+    std::string peers;
+    const int named = missing.count < kMaxNamedPeers ? missing.count : kMaxNamedPeers;
+    const int p = ranks_per_node > 0 ? ranks_per_node : 1;
+    for (int i = 0; i < named; ++i) peers += cat(i ? ", " : "", missing.named[i], " (node ", missing.named[i] / p, ")");
+    if (missing.count > named) peers += cat(" and ", missing.count - named, " more");
+    const char* name = phase_name(phase);
+    return cat(name, " (", hop_name(hop), " hop): rank ", rank, " (node ", rank / p, ") waited ", timeout_ms,
+               " ms for rank(s) ", peers, " (expected call #", expected, ", last seen #", missing.observed,
+               "); a peer did not call ", name,
+               ", is stuck, or its node is unreachable. This buffer is unusable now: rebuild it");
+}
+
 std::string peer_fault_message(const PeerFault& f, int rank) {
     std::string what;
     switch (f.kind) {
@@ -69,6 +83,9 @@ std::string peer_fault_message(const PeerFault& f, int rank) {
             break;
         case kPeerSlot:
             what = cat("a combine slot range ending at ", f.value, " beyond the origin's ", f.limit, " slots");
+            break;
+        case kPeerEpoch:
+            what = cat("a network slab of call #", f.value, " where call #", f.limit, " was expected");
             break;
         default:
             what = cat("an unknown fault (kind ", f.kind, ")");

@@ -144,6 +144,7 @@ enum PeerFaultKind : int32_t {
     kPeerExpertId = 4,     // an expert id outside [-1, E)
     kPeerToken = 5,        // a source token outside [0, C)
     kPeerSlot = 6,         // a combine slot range (base + count) beyond the origin's C * min(K, R) slots
+    kPeerEpoch = 7,        // hybrid: a network slab of another call than the one expected
 };
 
 struct PeerFault {
@@ -259,5 +260,38 @@ std::string timeout_message(int32_t phase, int rank, int64_t timeout_ms, const M
 
 // A peer's data that failed its check on receipt.
 std::string peer_fault_message(const PeerFault& f, int rank);
+
+// ---------------------------------------------------------------------------------------------
+// The hierarchical (hybrid) protocol: nodes of P = ranks_per_node ranks, N = R / P nodes.
+//
+// Rank r is local index i = r % P of node n = r / P. Its rail is {q * P + i : q in [0, N)}: the ranks
+// with its local index, one per node, which the network connects; its node's ranks are connected by
+// NVLink. Dispatch, epoch n, sender s:
+//   H1. for every destination node q of a token (nodes of its destination ranks, first-k order), s puts
+//       the token once (the direct message) into its rail peer f = q * P + i, as message j_q of s's
+//       messages for q (t ascending); then signals f's rail flag [node of s] with the count, s's route
+//       status and epoch n (GIN ordering: nothing of the put is read before the signal).
+//   H2. f waits (bounded; a missing node is named) for every rail sender's signal, checks the messages
+//       (peer data rules) and forwards each over NVLink to the token's destination ranks in f's node,
+//       into the direct slots [s][j] of destination d (j: the token's rank among s's tokens for d), then
+//       publishes d's dispatch flag [s] (count, s's status, epoch) as the direct sender would.
+//   H3. every receiver then proceeds exactly as in direct topology (steps 3-4 above).
+// Combine, epoch n:
+//   H4. holder d writes its bf16 partial of (s, t) into forwarder f = node(d) * P + s % P (the rail peer
+//       of s in d's node), then signals f.
+//   H5. f waits for its node's holders, forms node partial (s, t) (SEMANTICS.md, "Combine" step 4) over
+//       the token's ranks in its node, puts it into origin s's node slot [node of f][t] and signals s.
+//   H6. s waits for every node's signal and reduces the node partials in first-rank order.
+// Slot reuse: a rail sender waits for its rail peer's "forwarded" epoch, a forwarder for its node's
+// receivers' "read" epoch, before writing epoch n + 1.
+
+enum Hop : int32_t { kHopNvlink = 0, kHopNetwork = 1 };
+
+inline const char* hop_name(int32_t hop) { return hop == kHopNetwork ? "network" : "nvlink"; }
+
+// The hybrid wording of timeout_message: the hop and the node of every rank named. `missing.named`
+// holds ranks. "dispatch (network hop): rank 0 waited 300 ms for rank(s) 4 (node 1) ...".
+std::string hybrid_timeout_message(int32_t phase, int32_t hop, int rank, int64_t timeout_ms,
+                                   const MissingPeers& missing, uint64_t expected, int ranks_per_node);
 
 }  // namespace elasticep::detail

@@ -4,6 +4,8 @@
 //
 // Index contract: inputs[s] is rank s's call; results are indexed by rank as well. Every route is
 // (s, t, k) with a cleaned expert id; the rows of (d, l) are the routes to it in (s, t) order.
+// Combine reads config.ranks_per_node for its order (one node: flat; several: node partials first);
+// config.topology and config.scaleout change nothing here.
 #include "reference/oracle.hpp"
 
 #include <algorithm>
@@ -323,9 +325,19 @@ std::vector<std::vector<uint16_t>> combine(const BufferConfig& config, int num_r
                 for (int64_t x : dests) seen = seen || x == d;
                 if (!seen) dests.push_back(d);
             }
+            // nodes in order of their first rank in that list (SEMANTICS.md, "Combine" step 4)
+            const int64_t p_size = config.ranks_per_node == 0 ? num_ranks : config.ranks_per_node;
+            const bool hierarchical = p_size < num_ranks;
+            std::vector<int64_t> nodes;
+            for (int64_t d : dests) {
+                bool seen = false;
+                for (int64_t n : nodes) seen = seen || n == d / p_size;
+                if (!seen) nodes.push_back(d / p_size);
+            }
+            std::vector<float> partial(dests.size());
             for (size_t h = 0; h < h_count; ++h) {
-                float acc = b ? float_from_bf16((*b)[t * h_count + h]) : 0.0f;
-                for (int64_t d : dests) {
+                for (size_t j = 0; j < dests.size(); ++j) {
+                    const int64_t d = dests[j];
                     float part = 0.0f;
                     for (int k = 0; k < k_count; ++k) {
                         const size_t at = t * static_cast<size_t>(k_count) + static_cast<size_t>(k);
@@ -334,7 +346,18 @@ std::vector<std::vector<uint16_t>> combine(const BufferConfig& config, int num_r
                         const uint16_t yv = y[static_cast<size_t>(d)][static_cast<size_t>(row_of[at]) * h_count + h];
                         part = std::fmaf(w, float_from_bf16(yv), part);
                     }
-                    acc = acc + float_from_bf16(bf16_from_float(part));
+                    partial[j] = float_from_bf16(bf16_from_float(part));
+                }
+                float acc = b ? float_from_bf16((*b)[t * h_count + h]) : 0.0f;
+                if (!hierarchical) {
+                    for (float part : partial) acc = acc + part;
+                } else {
+                    for (int64_t n : nodes) {
+                        float q = 0.0f;
+                        for (size_t j = 0; j < dests.size(); ++j)
+                            if (dests[j] / p_size == n) q = q + partial[j];
+                        acc = acc + float_from_bf16(bf16_from_float(q));
+                    }
                 }
                 o[t * h_count + h] = bf16_from_float(acc);
             }

@@ -52,7 +52,8 @@ std::vector<RankDispatch> dispatch(const BufferConfig& config, int num_ranks, co
 
 // Expected combine output [T_s, H] bf16 bits of every rank. `y[d]` is rank d's expert output in
 // the row positions of `expected[d]` (same row count, H columns, bf16 bits). `bias[s]` is empty
-// or [T_s, H].
+// or [T_s, H]. The reduction order follows config.ranks_per_node (SEMANTICS.md, "Combine"): flat over
+// the destination ranks with one node, node partials first with several; the topology does not matter.
 std::vector<std::vector<uint16_t>> combine(const BufferConfig& config, int num_ranks,
                                            const std::vector<RankInput>& inputs, const DispatchOptions& options,
                                            const std::vector<std::vector<uint16_t>>& y, bool weighted,

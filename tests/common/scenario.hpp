@@ -126,8 +126,12 @@ struct Scenario {
 
     std::string name() const {
         std::ostringstream os;
-        os << "R" << num_ranks << "_E" << cfg.num_experts << "_K" << cfg.num_topk << "_H" << cfg.hidden << "_C"
-           << cfg.max_tokens_per_rank << "_T";
+        os << "R" << num_ranks;
+        if (cfg.ranks_per_node != 0) os << "_P" << cfg.ranks_per_node;
+        if (cfg.topology == Topology::kHybrid)
+            os << "_hyb" << (cfg.scaleout == ScaleOut::kAuto ? "" : scaleout_name(cfg.scaleout));
+        os << "_E" << cfg.num_experts << "_K" << cfg.num_topk << "_H" << cfg.hidden << "_C" << cfg.max_tokens_per_rank
+           << "_T";
         for (size_t i = 0; i < tokens.size(); ++i) os << (i ? "x" : "") << tokens[i];
         os << "_" << (cfg.payload == Payload::kBF16 ? "bf16" : scale_format_name(cfg.scale_format))
            << (prequantized ? "_preq" : "") << "_" << layout_name(opt.layout);

@@ -349,28 +349,5 @@ TEST(CudaBackendFaults, ARankThatFailsToStartFailsEveryRankPromptly) {
     all_ok(run_ranks(2, [&](int r) { Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCUDA); }));
 }
 
-TEST(CudaBackendSelection, HybridTopologyIsRejectedOnEveryRank) {
-    ELASTICEP_SKIP_WITHOUT_GPU();
-    BufferConfig cfg = small_config();
-    cfg.topology = Topology::kHybrid;
-    cfg.ranks_per_node = 1;
-    auto groups = ThreadGroup::create(2);
-    std::vector<std::string> messages(2);
-    std::vector<ErrorCode> codes(2, ErrorCode::kInternal);
-    all_ok(run_ranks(2, [&](int r) {
-        try {
-            Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCUDA);
-        } catch (const Error& e) {
-            codes[static_cast<size_t>(r)] = e.code();
-            messages[static_cast<size_t>(r)] = e.message();
-        }
-    }));
-    for (int r = 0; r < 2; ++r) {
-        EXPECT_EQ(codes[static_cast<size_t>(r)], ErrorCode::kUnsupported) << messages[static_cast<size_t>(r)];
-        EXPECT_NE(messages[static_cast<size_t>(r)].find("topology=hybrid is not implemented"), std::string::npos)
-            << messages[static_cast<size_t>(r)];
-    }
-}
-
 }  // namespace
 }  // namespace eptest

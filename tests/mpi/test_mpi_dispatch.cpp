@@ -1,6 +1,7 @@
 // Run under mpirun (3 processes; any count works): the CPU backend with ranks as processes (arena in
 // a shared file mapping), dispatch + combine compared byte for byte with the oracle, for bf16 and fp8
-// payloads, uneven token counts and a rank with no tokens. Inputs, the rank runner and the
+// payloads, uneven token counts and a rank with no tokens; with one node per process, in direct and
+// hybrid topology. Inputs, the rank runner and the
 // comparisons are the shared test layer (tests/common): every process draws every rank's inputs from
 // the scenario's seed and runs the oracle over all of them.
 #include <cstdio>
@@ -14,7 +15,8 @@ using namespace eptest;
 
 namespace {
 
-int run_case(const std::shared_ptr<Group>& group, Payload payload, const std::vector<int64_t>& pattern, uint64_t seed) {
+int run_case(const std::shared_ptr<Group>& group, Payload payload, const std::vector<int64_t>& pattern, uint64_t seed,
+             Topology topology = Topology::kDirect, int ranks_per_node = 0) {
     const int r = group->rank(), n = group->size();
     Scenario sc;
     sc.cfg.num_experts = 3 * n;
@@ -23,6 +25,8 @@ int run_case(const std::shared_ptr<Group>& group, Payload payload, const std::ve
     sc.cfg.max_tokens_per_rank = 6;
     sc.cfg.payload = payload;
     sc.cfg.timeout = std::chrono::seconds(20);
+    sc.cfg.topology = topology;
+    sc.cfg.ranks_per_node = ranks_per_node;
     sc.num_ranks = n;
     for (int s = 0; s < n; ++s) sc.tokens.push_back(pattern[static_cast<size_t>(s) % pattern.size()]);
     sc.seed = seed;
@@ -34,7 +38,7 @@ int run_case(const std::shared_ptr<Group>& group, Payload payload, const std::ve
     const auto bad =
         outcome_mismatches(sc, got, want.dispatch[static_cast<size_t>(r)], want.combine[static_cast<size_t>(r)]);
     for (const std::string& m : bad)
-        std::fprintf(stderr, "rank %d (%s): mismatch: %s\n", r, payload_name(payload), m.c_str());
+        std::fprintf(stderr, "rank %d (%s): mismatch: %s\n", r, sc.name().c_str(), m.c_str());
     return bad.empty() ? 0 : 1;
 }
 
@@ -45,6 +49,10 @@ int main() {
     int rc = 0;
     rc |= run_case(g, Payload::kBF16, {5, 0, 6}, 1);
     rc |= run_case(g, Payload::kFP8, {6, 3, 1}, 2);
+    // every process its own node: the hierarchical combine order (direct), and hybrid's emulated
+    // network hop between processes
+    rc |= run_case(g, Payload::kBF16, {4, 6, 0}, 3, Topology::kDirect, 1);
+    rc |= run_case(g, Payload::kFP8, {6, 2, 5}, 4, Topology::kHybrid, 1);
     std::printf("rank %d: cpu backend across processes %s\n", g->rank(), rc ? "FAILED" : "ok");
     return rc;
 }

@@ -1,7 +1,7 @@
-// Backend selection by (backend, topology): topology=hybrid is validated and keyed but no backend
-// implements it yet, so every rank gets Unsupported saying so, before anything is allocated, and no
-// message steers users towards it. The rank limit names kMaxRanks (BufferConfig::validate and
-// Buffer::create alike).
+// Backend selection by (backend, topology, scaleout): the CPU backend runs topology=hybrid with its
+// emulated scale-out only, so an explicit gin or nccl is refused with Unsupported on every rank (never a
+// silent fallback), before anything is allocated. The rank limit names kMaxRanks (BufferConfig::validate
+// and Buffer::create alike).
 #include "core/limits.hpp"
 #include "harness.hpp"
 
@@ -21,27 +21,31 @@ bool recommends_hybrid(const std::exception_ptr& e) {
     return describe(e).find("use topology=hybrid") != std::string::npos;
 }
 
-TEST(BackendSelection, HybridTopologyIsRejectedOnEveryRank) {
-    BufferConfig cfg = small_config();
-    cfg.topology = Topology::kHybrid;
-    cfg.ranks_per_node = 1;
-    ASSERT_NO_THROW(cfg.validate(2));  // a valid config: the refusal is the backend table's
-    auto groups = ThreadGroup::create(2, std::chrono::seconds(20));
-    const auto errors =
-        run_ranks(2, [&](int r) { Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCPU); });
-    for (const auto& e : errors) {
-        EXPECT_TRUE(is_error(e, ErrorCode::kUnsupported, {"topology=hybrid", "not implemented", "topology=direct"}));
-        EXPECT_FALSE(recommends_hybrid(e));
+TEST(BackendSelection, CpuHybridRefusesNetworkScaleOutsOnEveryRank) {
+    for (ScaleOut so : {ScaleOut::kGin, ScaleOut::kNccl}) {
+        BufferConfig cfg = small_config();
+        cfg.topology = Topology::kHybrid;
+        cfg.ranks_per_node = 1;
+        cfg.scaleout = so;
+        ASSERT_NO_THROW(cfg.validate(2));  // a valid config: the refusal is the CPU backend's
+        auto groups = ThreadGroup::create(2, std::chrono::seconds(20));
+        const auto errors =
+            run_ranks(2, [&](int r) { Buffer::create(groups[static_cast<size_t>(r)], cfg, BackendKind::kCPU); });
+        for (const auto& e : errors)
+            EXPECT_TRUE(is_error(e, ErrorCode::kUnsupported,
+                                 {std::string("scaleout=") + scaleout_name(so), "CUDA backend", "scaleout=emulated"}))
+                << describe(e);
+        // the same groups build the emulated hybrid buffer afterwards, and it works
+        std::vector<std::shared_ptr<Buffer>> bufs;
+        Scenario sc;
+        sc.cfg = small_config();
+        sc.cfg.topology = Topology::kHybrid;
+        sc.cfg.ranks_per_node = 1;
+        sc.cfg.scaleout = ScaleOut::kEmulated;
+        sc.num_ranks = 2;
+        sc.tokens = {3, 4};
+        run_round(sc, groups, bufs, "emulated hybrid after the refusal");
     }
-    EXPECT_TRUE(throws_error([&] { Buffer::reservation_bytes(cfg, 2, BackendKind::kCPU); }, ErrorCode::kUnsupported,
-                             {"topology=hybrid", "not implemented"}));
-    // the same groups build a direct buffer afterwards, and it works
-    std::vector<std::shared_ptr<Buffer>> bufs;
-    Scenario sc;
-    sc.cfg = small_config();
-    sc.num_ranks = 2;
-    sc.tokens = {3, 4};
-    run_round(sc, groups, bufs, "direct after the hybrid refusal");
 }
 
 TEST(BackendSelection, RankLimitNamesKMaxRanks) {

@@ -683,7 +683,16 @@ TEST(Errors, ConfigValidationMessages) {
         {[](BufferConfig& c) { c.max_tokens_per_rank = 1 << 28; }, 8, {"too large", "max_tokens_per_rank"}},
         {[](BufferConfig& c) { c.num_sms = -1; }, 1, {"num_sms=-1"}},
         {[](BufferConfig& c) { c.timeout = std::chrono::milliseconds(0); }, 1, {"timeout=0"}},
-        {[](BufferConfig& c) { c.ranks_per_node = 2; }, 4, {"ranks_per_node=2", "hybrid"}},
+        {[](BufferConfig& c) { c.ranks_per_node = 3; }, 4, {"ranks_per_node=3", "divide", "0 for all ranks"}},
+        {[](BufferConfig& c) { c.ranks_per_node = -2; }, 4, {"ranks_per_node=-2", "divide"}},
+        {[](BufferConfig& c) { c.ranks_per_node = 8; }, 4, {"ranks_per_node=8", "divide"}},
+        {[](BufferConfig& c) { c.scaleout = ScaleOut::kNccl; }, 4, {"scaleout=nccl", "topology=hybrid", "auto"}},
+        {[](BufferConfig& c) {
+             c.topology = Topology::kHybrid;
+             c.scaleout = static_cast<ScaleOut>(7);
+         },
+         4,
+         {"scaleout=7", "not a ScaleOut"}},
         {[](BufferConfig& c) {
              c.topology = Topology::kHybrid;
              c.ranks_per_node = 3;

@@ -1,6 +1,7 @@
 // Generated scenarios compared with exact equality against the oracle: a fixed list of edge cases
 // plus a sample (fixed seed) of the cross product of ranks, tokens, top-k, hidden sizes,
-// alignment, layouts, sync modes, payloads, scale formats and options.
+// alignment, layouts, sync modes, payloads, scale formats, options and nodes (ranks_per_node, direct
+// topology; hybrid has its own matrix in test_hybrid.cpp).
 #include "harness.hpp"
 
 namespace eptest {
@@ -178,6 +179,9 @@ std::vector<Scenario> sampled_cases(int count) {
         s.caller_outputs = rng.chance(0.4);
         s.strided = rng.chance(0.3);
         s.seed = static_cast<uint64_t>(i) + 1;
+        // every third case with several nodes (the hierarchical combine order; no draw, so the other
+        // fields keep their values): one rank per node, or two nodes
+        if (i % 3 == 1 && r > 1) s.cfg.ranks_per_node = (i / 3) % 2 == 0 || r % 2 != 0 ? 1 : r / 2;
         v.push_back(s);
     }
     return v;

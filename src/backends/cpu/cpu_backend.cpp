@@ -40,6 +40,7 @@
 #include "core/quantize.hpp"
 #include "core/routing.hpp"
 #include "core/testing.hpp"
+#include "transport/scaleout/emulation.hpp"
 
 namespace elasticep::detail {
 namespace {
@@ -54,50 +55,100 @@ struct DispatchFlag {
 // The arena lives in one shared mapping: anonymous memory when every rank is a thread of this
 // process, a file mapping (in /dev/shm, or $TMPDIR when /dev/shm is too small) when the ranks are
 // processes on one host. Everything inside is plain data and lock-free atomics, valid across both.
+//
+// Hybrid topology (nodes of P ranks, N = R / P nodes) adds the emulated network's regions, written
+// only through EmulatedNetwork (puts, then a release signal):
+//   rail_flags[f][p][n % 2]  a DispatchFlag from the rail sender of node p to its rail peer f
+//   rail_done[f]             the last epoch whose rail messages f has forwarded
+//   rail_slots[f][p][j]      rail messages (the direct message format) from node p's sender to f
+//   np_flags[s][q]           node q's combine epoch at origin s
+//   np_slots[s][q][t][H]     node q's bf16 node partial of origin s's token t
+// and reuses the direct regions inside a node: disp_slots/disp_flag[d][s] are written by d's
+// forwarder for sender s; comb_slots[f][p * P + i][t] holds the partial that rank i of f's node made
+// for token t of origin p * P + f % P, and comb_flag[f][d] is holder d's signal to forwarder f.
+struct ArenaShape {
+    int num_ranks, capacity, hidden;
+    MessageLayout msg;
+    int nodes;  // 0: direct topology (no network regions)
+
+    // The pieces, in order; every size computed wide (thousands of ranks overflow size_t long before
+    // mmap could refuse).
+    using Wide = unsigned __int128;
+    struct Pieces {
+        Wide disp_flags, comb_flags, recv_done, rail_flags, rail_done, np_flags, flags_end;
+        Wide disp, comb, rail, np, total;
+    };
+    Pieces pieces() const {
+        const Wide r = static_cast<Wide>(num_ranks), n = static_cast<Wide>(nodes);
+        const Wide c = static_cast<Wide>(capacity), h = static_cast<Wide>(hidden), m = static_cast<Wide>(msg.bytes);
+        Pieces p{};
+        p.disp_flags = 0;
+        p.comb_flags = p.disp_flags + r * r * 2 * sizeof(DispatchFlag);
+        p.recv_done = p.comb_flags + r * r * sizeof(uint64_t);
+        p.rail_flags = p.recv_done + r * sizeof(uint64_t);
+        p.rail_done = p.rail_flags + r * n * 2 * sizeof(DispatchFlag);
+        p.np_flags = p.rail_done + (n > 0 ? r : 0) * sizeof(uint64_t);
+        p.flags_end = (p.np_flags + r * n * sizeof(uint64_t) + 4095) / 4096 * 4096;
+        p.disp = p.flags_end;
+        p.comb = p.disp + r * r * c * m;
+        p.rail = p.comb + r * r * c * h * 2;
+        p.np = p.rail + r * n * c * m;
+        p.total = p.np + r * n * c * h * 2;
+        return p;
+    }
+};
+
 struct Arena {
-    Arena(int r, int c, int h, MessageLayout m) : num_ranks(r), capacity(c), hidden(h), msg(m) {}
+    explicit Arena(const ArenaShape& s)
+        : num_ranks(s.num_ranks), capacity(s.capacity), hidden(s.hidden), nodes(s.nodes), msg(s.msg), shape(s) {}
     Arena(const Arena&) = delete;
     Arena& operator=(const Arena&) = delete;
     ~Arena() {
         if (base != nullptr) ::munmap(base, bytes);
     }
 
-    const int num_ranks, capacity, hidden;
+    const int num_ranks, capacity, hidden, nodes;
     const MessageLayout msg;
+    const ArenaShape shape;
     void* base = nullptr;
     size_t bytes = 0;
     DispatchFlag* disp_flags = nullptr;           // [receiver][sender][parity]
     std::atomic<uint64_t>* comb_flags = nullptr;  // [origin][holder]
     std::atomic<uint64_t>* recv_done = nullptr;   // [receiver]: last epoch whose messages it has read
+    DispatchFlag* rail_flags = nullptr;           // [forwarder][source node][parity]
+    std::atomic<uint64_t>* rail_done = nullptr;   // [forwarder]
+    std::atomic<uint64_t>* np_flags = nullptr;    // [origin][node]
     uint8_t* disp_base = nullptr;                 // [receiver][sender * C + j] messages
     uint16_t* comb_base = nullptr;                // [origin][holder * C + t][H] bf16 partials
+    uint8_t* rail_base = nullptr;                 // [forwarder][node * C + j] messages
+    uint16_t* np_base = nullptr;                  // [origin][node * C + t][H] bf16 node partials
 
     size_t slots() const { return static_cast<size_t>(num_ranks) * static_cast<size_t>(capacity); }
-    size_t flags_bytes() const {
-        const size_t r = static_cast<size_t>(num_ranks);
-        return static_cast<size_t>(
-            round_up(static_cast<int64_t>(r * r * 2 * sizeof(DispatchFlag) + (r * r + r) * sizeof(uint64_t)), 4096));
-    }
-    size_t total_bytes() const {
-        const size_t r = static_cast<size_t>(num_ranks);
-        return flags_bytes() + r * slots() * static_cast<size_t>(msg.bytes) +
-               r * slots() * static_cast<size_t>(hidden) * 2;
-    }
+    size_t total_bytes() const { return static_cast<size_t>(shape.pieces().total); }
     // Points the fields into a mapping of total_bytes(); `init` constructs the flags (creator only).
     void attach(void* mapping, bool init) {
         base = mapping;
         bytes = total_bytes();
-        const size_t r = static_cast<size_t>(num_ranks);
+        const ArenaShape::Pieces pc = shape.pieces();
         auto* p = static_cast<uint8_t*>(mapping);
-        disp_flags = reinterpret_cast<DispatchFlag*>(p);
-        comb_flags = reinterpret_cast<std::atomic<uint64_t>*>(p + r * r * 2 * sizeof(DispatchFlag));
-        recv_done = comb_flags + r * r;
+        auto at = [&](ArenaShape::Wide off) { return p + static_cast<size_t>(off); };
+        disp_flags = reinterpret_cast<DispatchFlag*>(at(pc.disp_flags));
+        comb_flags = reinterpret_cast<std::atomic<uint64_t>*>(at(pc.comb_flags));
+        recv_done = reinterpret_cast<std::atomic<uint64_t>*>(at(pc.recv_done));
+        rail_flags = reinterpret_cast<DispatchFlag*>(at(pc.rail_flags));
+        rail_done = reinterpret_cast<std::atomic<uint64_t>*>(at(pc.rail_done));
+        np_flags = reinterpret_cast<std::atomic<uint64_t>*>(at(pc.np_flags));
         if (init) {
+            const size_t r = static_cast<size_t>(num_ranks), n = static_cast<size_t>(nodes);
             for (size_t i = 0; i < r * r * 2; ++i) new (&disp_flags[i]) DispatchFlag();
-            for (size_t i = 0; i < r * r + r; ++i) new (&comb_flags[i]) std::atomic<uint64_t>(0);
+            for (size_t i = 0; i < r * r + r; ++i) new (&comb_flags[i]) std::atomic<uint64_t>(0);  // + recv_done
+            for (size_t i = 0; i < r * n * 2; ++i) new (&rail_flags[i]) DispatchFlag();
+            for (size_t i = 0; i < (n > 0 ? r : 0) + r * n; ++i) new (&rail_done[i]) std::atomic<uint64_t>(0);  // + np
         }
-        disp_base = p + flags_bytes();
-        comb_base = reinterpret_cast<uint16_t*>(disp_base + r * slots() * static_cast<size_t>(msg.bytes));
+        disp_base = at(pc.disp);
+        comb_base = reinterpret_cast<uint16_t*>(at(pc.comb));
+        rail_base = at(pc.rail);
+        np_base = reinterpret_cast<uint16_t*>(at(pc.np));
     }
 
     uint8_t* slot(int d, int s, int64_t j) {
@@ -113,6 +164,23 @@ struct Arena {
     }
     std::atomic<uint64_t>& cflag(int s, int d) {
         return comb_flags[static_cast<size_t>(s) * num_ranks + static_cast<size_t>(d)];
+    }
+    // hybrid
+    uint8_t* rail_slot(int f, int p, int64_t j) {
+        return rail_base +
+               ((static_cast<size_t>(f) * nodes + static_cast<size_t>(p)) * capacity + static_cast<size_t>(j)) *
+                   static_cast<size_t>(msg.bytes);
+    }
+    DispatchFlag& rflag(int f, int p, uint64_t epoch) {
+        return rail_flags[(static_cast<size_t>(f) * nodes + static_cast<size_t>(p)) * 2 + (epoch & 1)];
+    }
+    uint16_t* node_partial(int s, int q, int64_t t) {
+        return np_base +
+               ((static_cast<size_t>(s) * nodes + static_cast<size_t>(q)) * capacity + static_cast<size_t>(t)) *
+                   static_cast<size_t>(hidden);
+    }
+    std::atomic<uint64_t>& npflag(int s, int q) {
+        return np_flags[static_cast<size_t>(s) * nodes + static_cast<size_t>(q)];
     }
 };
 
@@ -200,6 +268,13 @@ struct CpuHandleData {
     std::vector<Msg> msgs;
     std::vector<int64_t> route_rows;  // row in y of each route, k ascending within a message
     std::vector<float> route_weights;
+    // hybrid, forwarder side: every token this rank forwarded (source node, token, its destination
+    // ranks in this node in first-k order), source nodes ascending, t ascending within each
+    struct Forwarded {
+        int32_t src_node, src_token, dests_begin, dests_end;
+    };
+    std::vector<Forwarded> forwarded;
+    std::vector<int32_t> fwd_dests;
 };
 
 // Where this call's dispatch outputs live: the caller's tensors or buffer-owned storage, known
@@ -214,12 +289,9 @@ struct OutputPtrs {
 
 // The arena's size, or CapacityExceeded when it cannot exist on this host. Computed wide: with
 // thousands of ranks R * R * C * message bytes is past size_t long before mmap could refuse it.
-size_t checked_arena_bytes(const BufferConfig& c, int num_ranks, const MessageLayout& m) {
-    using Wide = unsigned __int128;
-    const Wide r = static_cast<Wide>(num_ranks);
-    const Wide slots = r * r * static_cast<Wide>(c.max_tokens_per_rank);
-    const Wide total = r * r * 2 * sizeof(DispatchFlag) + (r * r + r) * sizeof(uint64_t) + 4096 +
-                       slots * static_cast<Wide>(m.bytes) + slots * static_cast<Wide>(c.hidden) * 2;
+size_t checked_arena_bytes(const BufferConfig& c, int num_ranks, const ArenaShape& shape) {
+    using Wide = ArenaShape::Wide;
+    const Wide total = shape.pieces().total;
     const size_t host = host_memory_bytes();
     if (total > static_cast<Wide>(host)) {
         const long double gib = static_cast<long double>(total) / (1 << 30);
@@ -239,8 +311,25 @@ class CpuBackend final : public BackendBuffer {
           rank_(ctx.rank),
           num_ranks_(ctx.num_ranks),
           e_local_(cfg_.num_experts / ctx.num_ranks),
+          node_size_(cfg_.node_size(ctx.num_ranks)),
+          nodes_(ctx.num_ranks / node_size_),
+          node_(rank_ / node_size_),
+          local_(rank_ % node_size_),
+          hybrid_(cfg_.topology == Topology::kHybrid),
+          hierarchical_(nodes_ > 1),
+          net_(hybrid_ ? transport::scaleout::EmulationKnobs::from_env() : transport::scaleout::EmulationKnobs{}),
           load_(static_cast<size_t>(e_local_), 0) {
-        auto arena = std::make_shared<Arena>(num_ranks_, cfg_.max_tokens_per_rank, cfg_.hidden, message_layout(cfg_));
+        ELASTICEP_CHECK(!hybrid_ || cfg_.scaleout == ScaleOut::kAuto || cfg_.scaleout == ScaleOut::kEmulated,
+                        ErrorCode::kUnsupported, "the CPU backend's scale-out is emulated (host copies): scaleout=",
+                        scaleout_name(cfg_.scaleout),
+                        " needs the CUDA backend; use scaleout=emulated (or auto) with backend=cpu");
+        for (int r = 0; r < num_ranks_; ++r) {
+            all_ranks_.push_back(r);
+            if (r / node_size_ == node_) node_ranks_.push_back(r);
+            if (r % node_size_ == local_) rail_ranks_.push_back(r);
+        }
+        auto arena = std::make_shared<Arena>(
+            ArenaShape{num_ranks_, cfg_.max_tokens_per_rank, cfg_.hidden, message_layout(cfg_), hybrid_ ? nodes_ : 0});
         const int64_t pid = ::getpid();
         const auto pids = ctx.group->all_gather_value(pid);
         const bool one_process = std::all_of(pids.begin(), pids.end(), [&](int64_t p) { return p == pid; });
@@ -257,7 +346,7 @@ class CpuBackend final : public BackendBuffer {
         ErrorCode failure_code = ErrorCode::kInternal;
         if (rank_ == 0) {
             try {
-                const size_t bytes = checked_arena_bytes(cfg_, num_ranks_, arena->msg);
+                const size_t bytes = checked_arena_bytes(cfg_, num_ranks_, arena->shape);
                 ELASTICEP_INTERNAL(bytes >= arena->total_bytes(), "arena size");
                 if (one_process) {
                     arena->attach(checked_map(::mmap(nullptr, arena->total_bytes(), PROT_READ | PROT_WRITE,
@@ -330,6 +419,7 @@ class CpuBackend final : public BackendBuffer {
     size_t reserved_bytes() const override { return cpu_reservation_bytes(cfg_, num_ranks_); }
 
     std::vector<int64_t> expert_load() override { return load_; }
+    std::string scaleout() const override { return hybrid_ && nodes_ > 1 ? "emulated" : "none"; }
     void reset_expert_load() override { std::fill(load_.begin(), load_.end(), 0); }
 
     void check() override {
@@ -368,13 +458,157 @@ class CpuBackend final : public BackendBuffer {
         if (decision.clear_sticky) fault_ = BadRoute{};
         if (decision.record_sticky) fault_ = plan.first_bad;
         const RouteStatus& rejected = decision.publish;
-        const bool reject = rejected.any();
 
-        // 1. send, once every receiver has read our previous messages
-        wait_all(kPhaseDispatch, epoch - 1,
-                 [&](int d) { return arena_->recv_done[d].load(std::memory_order_acquire); });
+        // 1. send (direct: into every destination rank; hybrid: over the network once per node, then
+        //    forwarded inside the node), once the slots' previous readers are done
+        std::string forward_fault;
+        if (hybrid_)
+            send_hybrid(req, plan, rejected, epoch, *data, forward_fault);
+        else
+            send_direct(req, plan, rejected, epoch);
+        // 2. wait for every sender's flag (written by the sender, or by its forwarder in this node)
+        wait_peers(kPhaseDispatch, kHopNvlink, epoch, all_ranks_,
+                   [&](int s) { return arena_->dflag(rank_, s, epoch).epoch.load(std::memory_order_acquire); });
+        for (int s = 0; s < num_ranks_; ++s) {
+            const DispatchFlag& f = arena_->dflag(rank_, s, epoch);
+            if (f.status.any()) {
+                arena_->recv_done[rank_].store(epoch, std::memory_order_release);
+                raise(ErrorCode::kInvalidArgument, rejected_dispatch_message(f.status, s, cfg_.num_experts));
+            }
+        }
+        // 3. check what the peers wrote, then receive into the layout
+        const std::vector<std::vector<uint8_t>> ok = check_messages(epoch, a.host_sync, forward_fault);
+        receive(req, outs, ok, *data, result);
+        arena_->recv_done[rank_].store(epoch, std::memory_order_release);
+        handle.num_sms = 0;
+        handle.backend_data = data;
+    }
+
+    TensorRef combine(HandleState& handle, const CombineArgs& args) override {
+        auto& data = *static_cast<CpuHandleData*>(handle.backend_data.get());
+        const uint64_t epoch = data.epoch;
+        const int h_count = cfg_.hidden;
+        const auto* y = static_cast<const uint16_t*>(args.y.data);
+        const size_t cap = static_cast<size_t>(cfg_.max_tokens_per_rank);
+        // 1. partials on the expert-holding rank: direct, straight into the origin's slots [holder][t];
+        //    hybrid, into the origin's rail peer in this node, slots [origin's node * P + my local index][t]
+        for (const auto& m : data.msgs) {
+            const int target = hybrid_ ? node_ * node_size_ + m.src_rank % node_size_ : m.src_rank;
+            const int holder = hybrid_ ? (m.src_rank / node_size_) * node_size_ + local_ : rank_;
+            uint16_t* dst =
+                arena_->comb(target) +
+                (static_cast<size_t>(holder) * cap + static_cast<size_t>(m.src_token)) * static_cast<size_t>(h_count);
+            for (int h = 0; h < h_count; ++h) {
+                float p = 0.0f;
+                for (int32_t r = m.route_begin; r < m.route_end; ++r) {
+                    const float w = args.weighted ? data.route_weights[static_cast<size_t>(r)] : 1.0f;
+                    p = std::fmaf(w, num::bf16_to_float(y[data.route_rows[static_cast<size_t>(r)] * h_count + h]), p);
+                }
+                dst[h] = num::float_to_bf16(p);
+            }
+        }
+        if (hybrid_) {
+            for (int f : node_ranks_) arena_->cflag(f, rank_).store(epoch, std::memory_order_release);
+            forward_node_partials(data, epoch);
+            wait_peers(kPhaseCombine, kHopNetwork, epoch, rail_ranks_,
+                       [&](int f) { return arena_->npflag(rank_, f / node_size_).load(std::memory_order_acquire); });
+        } else {
+            for (int s = 0; s < num_ranks_; ++s) arena_->cflag(s, rank_).store(epoch, std::memory_order_release);
+            wait_peers(kPhaseCombine, kHopNvlink, epoch, all_ranks_,
+                       [&](int d) { return arena_->cflag(rank_, d).load(std::memory_order_acquire); });
+        }
+        // 2. reduce at the origin (SEMANTICS.md, "Combine"): one node, flat in first-k destination order;
+        //    several, node partials in first-rank order (hybrid: made by the nodes; direct: made here)
+        const RoutePlan& plan = data.plan;
+        const int64_t t_count = plan.num_tokens;
+        TensorRef out =
+            args.out ? *args.out : TensorRef::contiguous(out_block_->data(), DType::kBFloat16, {t_count, h_count});
+        const int64_t out_stride = t_count > 1 ? out.stride(0) : h_count;
+        const int64_t bias_stride = args.bias && t_count > 1 ? args.bias->stride(0) : h_count;
+        auto* o = static_cast<uint16_t*>(out.data);
+        const uint16_t* own = arena_->comb(rank_);
+        std::vector<int32_t> nodes;
+        for (int64_t t = 0; t < t_count; ++t) {
+            const int32_t* d0 = plan.dests.data() + plan.dest_offsets[static_cast<size_t>(t)];
+            const int32_t* d1 = plan.dests.data() + plan.dest_offsets[static_cast<size_t>(t + 1)];
+            nodes_in_order(d0, d1, nodes);
+            auto partial = [&](int32_t d, int h) {
+                return num::bf16_to_float(own[(static_cast<size_t>(d) * cap + static_cast<size_t>(t)) * h_count + h]);
+            };
+            for (int h = 0; h < h_count; ++h) {
+                float acc = args.bias
+                                ? num::bf16_to_float(static_cast<const uint16_t*>(args.bias->data)[t * bias_stride + h])
+                                : 0.0f;
+                if (!hierarchical_) {
+                    for (const int32_t* d = d0; d != d1; ++d) acc = acc + partial(*d, h);
+                } else if (hybrid_) {
+                    for (int32_t q : nodes) acc = acc + num::bf16_to_float(arena_->node_partial(rank_, q, t)[h]);
+                } else {
+                    for (int32_t q : nodes) {
+                        float qv = 0.0f;
+                        for (const int32_t* d = d0; d != d1; ++d)
+                            if (*d / node_size_ == q) qv = qv + partial(*d, h);
+                        acc = acc + num::bf16_to_float(num::float_to_bf16(qv));
+                    }
+                }
+                o[t * out_stride + h] = num::float_to_bf16(acc);
+            }
+        }
+        return out;
+    }
+
+ private:
+    // The distinct nodes of destination ranks [d0, d1), in order of their first rank.
+    void nodes_in_order(const int32_t* d0, const int32_t* d1, std::vector<int32_t>& nodes) const {
+        nodes.clear();
+        for (const int32_t* d = d0; d != d1; ++d) {
+            const int32_t q = *d / node_size_;
+            if (std::find(nodes.begin(), nodes.end(), q) == nodes.end()) nodes.push_back(q);
+        }
+    }
+
+    // Waits (bounded) until epoch_of(p) >= epoch for every rank p of `peers`; the timeout names the
+    // ranks not heard from (hybrid: with their nodes and the hop).
+    template <class EpochOf>
+    void wait_peers(int32_t phase, int32_t hop, uint64_t epoch, const std::vector<int>& peers, EpochOf epoch_of) {
+        const auto deadline = std::chrono::steady_clock::now() + cfg_.timeout;
+        for (int spins = 0;; ++spins) {
+            bool all = true;
+            for (size_t i = 0; i < peers.size() && all; ++i) all = epoch_of(peers[i]) >= epoch;
+            if (all) return;
+            if (std::chrono::steady_clock::now() > deadline) break;
+            if (spins < 64)
+                std::this_thread::yield();
+            else
+                std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+        MissingPeers missing{};
+        missing.observed = epoch;
+        for (int p : peers) {
+            const uint64_t seen = epoch_of(p);
+            if (seen >= epoch) continue;
+            if (missing.count < kMaxNamedPeers) missing.named[missing.count] = p;
+            ++missing.count;
+            missing.observed = std::min(missing.observed, seen);
+        }
+        raise(ErrorCode::kTimeout,
+              hybrid_ ? hybrid_timeout_message(phase, hop, rank_, cfg_.timeout.count(), missing, epoch, node_size_)
+                      : timeout_message(phase, rank_, cfg_.timeout.count(), missing, epoch));
+    }
+
+    void send_direct(const DispatchRequest& req, const RoutePlan& plan, const RouteStatus& rejected, uint64_t epoch) {
+        wait_peers(kPhaseDispatch, kHopNvlink, epoch - 1, all_ranks_,
+                   [&](int d) { return arena_->recv_done[d].load(std::memory_order_acquire); });
         std::vector<int64_t> sent(static_cast<size_t>(num_ranks_), 0);
-        if (!reject) send_tokens(req, plan, sent);
+        if (!rejected.any())
+            build_messages(req, plan, [&](int64_t t, const uint8_t* row) {
+                for (int32_t i = plan.dest_offsets[static_cast<size_t>(t)];
+                     i < plan.dest_offsets[static_cast<size_t>(t + 1)]; ++i) {
+                    const int d = plan.dests[static_cast<size_t>(i)];
+                    std::memcpy(arena_->slot(d, rank_, sent[static_cast<size_t>(d)]++), row,
+                                static_cast<size_t>(arena_->msg.bytes));
+                }
+            });
         if (forger_)
             for (int d = 0; d < num_ranks_; ++d) {
                 testing::OutgoingDispatch o{
@@ -389,91 +623,174 @@ class CpuBackend final : public BackendBuffer {
             f.status = rejected;
             f.epoch.store(epoch, std::memory_order_release);
         }
-        // 2. wait for every sender
-        wait_all(kPhaseDispatch, epoch,
-                 [&](int s) { return arena_->dflag(rank_, s, epoch).epoch.load(std::memory_order_acquire); });
-        for (int s = 0; s < num_ranks_; ++s) {
-            const DispatchFlag& f = arena_->dflag(rank_, s, epoch);
-            if (f.status.any()) {
-                arena_->recv_done[rank_].store(epoch, std::memory_order_release);
-                raise(ErrorCode::kInvalidArgument, rejected_dispatch_message(f.status, s, cfg_.num_experts));
-            }
-        }
-        // 3. check what the peers wrote, then receive into the layout
-        const std::vector<std::vector<uint8_t>> ok = check_messages(epoch, a.host_sync);
-        receive(req, outs, ok, *data, result);
-        arena_->recv_done[rank_].store(epoch, std::memory_order_release);
-        handle.num_sms = 0;
-        handle.backend_data = data;
     }
 
-    TensorRef combine(HandleState& handle, const CombineArgs& args) override {
-        auto& data = *static_cast<CpuHandleData*>(handle.backend_data.get());
-        const uint64_t epoch = data.epoch;
+    // Hybrid dispatch, steps H1-H2 of protocol.hpp: the network hop (emulated) to the rail peer of
+    // every destination node, then this rank's forwarding of what its rail senders put here.
+    void send_hybrid(const DispatchRequest& req, const RoutePlan& plan, const RouteStatus& rejected, uint64_t epoch,
+                     CpuHandleData& data, std::string& fault) {
+        const size_t msg_bytes = static_cast<size_t>(arena_->msg.bytes);
+        // H1: one message per (token, destination node), staged per node, then put and signalled
+        wait_peers(kPhaseDispatch, kHopNetwork, epoch - 1, rail_ranks_,
+                   [&](int f) { return arena_->rail_done[f].load(std::memory_order_acquire); });
+        std::vector<std::vector<uint8_t>> stage(static_cast<size_t>(nodes_));
+        std::vector<int32_t> nodes;
+        if (!rejected.any())
+            build_messages(req, plan, [&](int64_t t, const uint8_t* row) {
+                nodes_in_order(plan.dests.data() + plan.dest_offsets[static_cast<size_t>(t)],
+                               plan.dests.data() + plan.dest_offsets[static_cast<size_t>(t + 1)], nodes);
+                for (int32_t q : nodes) {
+                    auto& st = stage[static_cast<size_t>(q)];
+                    st.insert(st.end(), row, row + msg_bytes);
+                }
+            });
+        for (int i = 0; i < nodes_; ++i) {
+            const int q = net_.peer_at(i, nodes_);
+            const int f = q * node_size_ + local_;
+            const auto& st = stage[static_cast<size_t>(q)];
+            int64_t count = static_cast<int64_t>(st.size() / msg_bytes);
+            if (!st.empty()) net_.put(arena_->rail_slot(f, node_, 0), st.data(), st.size());
+            if (forger_) {
+                testing::OutgoingDispatch o{
+                    rank_, f, count, arena_->rail_slot(f, node_, 0), cfg_.max_tokens_per_rank, arena_->msg};
+                forger_(o);
+                count = o.count;
+            }
+            DispatchFlag& flag = arena_->rflag(f, node_, epoch);
+            flag.count = count;
+            flag.status = rejected;
+            net_.before_signal();
+            flag.epoch.store(epoch, std::memory_order_release);
+        }
+        // H2: forward what every rail sender put here to the destination ranks of this node
+        wait_peers(kPhaseDispatch, kHopNetwork, epoch, rail_ranks_, [&](int s) {
+            return arena_->rflag(rank_, s / node_size_, epoch).epoch.load(std::memory_order_acquire);
+        });
+        wait_peers(kPhaseDispatch, kHopNvlink, epoch - 1, node_ranks_,
+                   [&](int d) { return arena_->recv_done[d].load(std::memory_order_acquire); });
+        const MessageLayout& m = arena_->msg;
+        const int64_t cap = cfg_.max_tokens_per_rank;
+        auto note = [&](int s, const std::string& what) {
+            if (fault.empty())
+                fault = cat("dispatch: rank ", rank_, " (forwarding for node ", node_,
+                            ") received malformed data from rank ", s, " over the network: ", what,
+                            "; that data was dropped, nothing was forwarded for it (a peer broke the protocol: "
+                            "memory corruption or a library bug, please report it)");
+        };
+        std::vector<int64_t> sent(static_cast<size_t>(node_size_));
+        for (int p = 0; p < nodes_; ++p) {
+            const int s = p * node_size_ + local_;
+            const DispatchFlag& rf = arena_->rflag(rank_, p, epoch);
+            const RouteStatus status = rf.status;
+            std::fill(sent.begin(), sent.end(), 0);
+            const int64_t n = rf.count;
+            if (status.any()) {
+                // a rejected call forwards only its status
+            } else if (n < 0 || n > cap) {
+                note(s, cat("it announced ", n, " messages, outside [0, max_tokens_per_rank=", cap, "]"));
+            } else {
+                int64_t prev = -1;
+                for (int64_t j = 0; j < n; ++j) {
+                    const uint8_t* msg = arena_->rail_slot(rank_, p, j);
+                    int32_t src_t, idx[kMaxTopk];
+                    std::memcpy(&src_t, msg + m.src_offset, 4);
+                    std::memcpy(idx, msg + m.idx_offset, static_cast<size_t>(cfg_.num_topk) * 4);
+                    std::string bad = check_routes(src_t, prev, idx);
+                    int local_routes = 0;
+                    for (int k = 0; k < cfg_.num_topk && bad.empty(); ++k)
+                        local_routes += idx[k] >= 0 && idx[k] / e_local_ / node_size_ == node_;
+                    if (bad.empty() && local_routes == 0) bad = cat("no route to a rank of node ", node_);
+                    if (!bad.empty()) {
+                        note(s, cat("message ", j, " of ", n, ": ", bad));
+                        continue;
+                    }
+                    prev = src_t;
+                    // the token's destination ranks in this node, first-k order: forwarded to each once
+                    CpuHandleData::Forwarded fw{p, src_t, static_cast<int32_t>(data.fwd_dests.size()), 0};
+                    for (int k = 0; k < cfg_.num_topk; ++k) {
+                        if (idx[k] < 0) continue;
+                        const int d = idx[k] / e_local_;
+                        if (d / node_size_ != node_) continue;
+                        if (std::find(data.fwd_dests.begin() + fw.dests_begin, data.fwd_dests.end(), d) !=
+                            data.fwd_dests.end())
+                            continue;
+                        data.fwd_dests.push_back(d);
+                        std::memcpy(arena_->slot(d, s, sent[static_cast<size_t>(d % node_size_)]++), msg, msg_bytes);
+                    }
+                    fw.dests_end = static_cast<int32_t>(data.fwd_dests.size());
+                    data.forwarded.push_back(fw);
+                }
+            }
+            for (int i = 0; i < node_size_; ++i) {
+                DispatchFlag& f = arena_->dflag(node_ * node_size_ + i, s, epoch);
+                f.count = sent[static_cast<size_t>(i)];
+                f.status = status;
+                f.epoch.store(epoch, std::memory_order_release);
+            }
+        }
+        arena_->rail_done[rank_].store(epoch, std::memory_order_release);
+    }
+
+    // Combine step H5 on this rank as forwarder: node partials of every rail origin's tokens that it
+    // forwarded, put into the origin's node slots, then the origin signalled.
+    void forward_node_partials(const CpuHandleData& data, uint64_t epoch) {
+        wait_peers(kPhaseCombine, kHopNvlink, epoch, node_ranks_,
+                   [&](int d) { return arena_->cflag(rank_, d).load(std::memory_order_acquire); });
         const int h_count = cfg_.hidden;
-        const auto* y = static_cast<const uint16_t*>(args.y.data);
-        // 1. partials on the expert-holding rank, straight into the origin's slots
-        for (const auto& m : data.msgs) {
-            uint16_t* dst = arena_->comb(m.src_rank) +
-                            (static_cast<size_t>(rank_) * cfg_.max_tokens_per_rank + static_cast<size_t>(m.src_token)) *
-                                static_cast<size_t>(h_count);
-            for (int h = 0; h < h_count; ++h) {
-                float p = 0.0f;
-                for (int32_t r = m.route_begin; r < m.route_end; ++r) {
-                    const float w = args.weighted ? data.route_weights[static_cast<size_t>(r)] : 1.0f;
-                    p = std::fmaf(w, num::bf16_to_float(y[data.route_rows[static_cast<size_t>(r)] * h_count + h]), p);
-                }
-                dst[h] = num::float_to_bf16(p);
-            }
-        }
-        for (int s = 0; s < num_ranks_; ++s) arena_->cflag(s, rank_).store(epoch, std::memory_order_release);
-        wait_all(kPhaseCombine, epoch, [&](int d) { return arena_->cflag(rank_, d).load(std::memory_order_acquire); });
-        // 2. reduce at the origin in first-k destination order
-        const RoutePlan& plan = data.plan;
-        const int64_t t_count = plan.num_tokens;
-        TensorRef out =
-            args.out ? *args.out : TensorRef::contiguous(out_block_->data(), DType::kBFloat16, {t_count, h_count});
-        const int64_t out_stride = t_count > 1 ? out.stride(0) : h_count;
-        const int64_t bias_stride = args.bias && t_count > 1 ? args.bias->stride(0) : h_count;
-        auto* o = static_cast<uint16_t*>(out.data);
+        const size_t cap = static_cast<size_t>(cfg_.max_tokens_per_rank);
         const uint16_t* own = arena_->comb(rank_);
-        for (int64_t t = 0; t < t_count; ++t) {
-            for (int h = 0; h < h_count; ++h) {
-                float acc = args.bias
-                                ? num::bf16_to_float(static_cast<const uint16_t*>(args.bias->data)[t * bias_stride + h])
-                                : 0.0f;
-                for (int32_t i = plan.dest_offsets[static_cast<size_t>(t)];
-                     i < plan.dest_offsets[static_cast<size_t>(t + 1)]; ++i) {
-                    const int32_t d = plan.dests[static_cast<size_t>(i)];
-                    const size_t at =
-                        (static_cast<size_t>(d) * cfg_.max_tokens_per_rank + static_cast<size_t>(t)) * h_count + h;
-                    acc = acc + num::bf16_to_float(own[at]);
+        std::vector<uint16_t> row(static_cast<size_t>(h_count));
+        // forwarded tokens grouped by source node (they were recorded node by node, t ascending)
+        std::vector<std::pair<size_t, size_t>> range(static_cast<size_t>(nodes_), {0, 0});
+        for (size_t i = 0; i < data.forwarded.size();) {
+            size_t e = i;
+            while (e < data.forwarded.size() && data.forwarded[e].src_node == data.forwarded[i].src_node) ++e;
+            range[static_cast<size_t>(data.forwarded[i].src_node)] = {i, e};
+            i = e;
+        }
+        for (int i = 0; i < nodes_; ++i) {
+            const int p = net_.peer_at(i, nodes_);
+            const int s = p * node_size_ + local_;
+            const auto [b, e] = range[static_cast<size_t>(p)];
+            for (size_t x = 0; x < e - b; ++x) {
+                const auto& fw = data.forwarded[net_.reorder ? e - 1 - x : b + x];
+                for (int h = 0; h < h_count; ++h) {
+                    float q = 0.0f;
+                    for (int32_t j = fw.dests_begin; j < fw.dests_end; ++j) {
+                        const int holder = p * node_size_ + data.fwd_dests[static_cast<size_t>(j)] % node_size_;
+                        q = q +
+                            num::bf16_to_float(
+                                own[(static_cast<size_t>(holder) * cap + static_cast<size_t>(fw.src_token)) * h_count +
+                                    h]);
+                    }
+                    row[static_cast<size_t>(h)] = num::float_to_bf16(q);
                 }
-                o[t * out_stride + h] = num::float_to_bf16(acc);
+                net_.put(arena_->node_partial(s, node_, fw.src_token), row.data(), row.size() * 2);
             }
+            net_.before_signal();
+            arena_->npflag(s, node_).store(epoch, std::memory_order_release);
         }
-        return out;
     }
 
- private:
-    template <class EpochOf>
-    void wait_all(int32_t phase, uint64_t epoch, EpochOf epoch_of) {
-        const auto deadline = std::chrono::steady_clock::now() + cfg_.timeout;
-        for (int spins = 0;; ++spins) {
-            bool all = true;
-            for (int p = 0; p < num_ranks_ && all; ++p) all = epoch_of(p) >= epoch;
-            if (all) return;
-            if (std::chrono::steady_clock::now() > deadline) break;
-            if (spins < 64)
-                std::this_thread::yield();
-            else
-                std::this_thread::sleep_for(std::chrono::microseconds(50));
+    // Source token and expert ids of a message, checked against the config: "" when they are fine.
+    std::string check_routes(int32_t src_t, int64_t prev, const int32_t* idx) const {
+        const int64_t cap = cfg_.max_tokens_per_rank;
+        if (src_t < 0 || src_t >= cap) return cat("source token ", src_t, " outside [0, ", cap, ")");
+        if (src_t <= prev)
+            return cat("source token ", src_t, " after token ", prev, " (tokens arrive once each, ascending)");
+        for (int k = 0; k < cfg_.num_topk; ++k) {
+            const int32_t e = idx[k];
+            if (e < -1 || e >= cfg_.num_experts)
+                return cat("expert id ", e, " at k=", k, " outside [-1, ", cfg_.num_experts, ")");
+            for (int q = 0; q < k && e >= 0; ++q)
+                if (idx[q] == e) return cat("expert id ", e, " repeated at k=", q, " and k=", k);
         }
-        const MissingPeers missing = scan_missing(epoch_of, num_ranks_, epoch);
-        raise(ErrorCode::kTimeout, timeout_message(phase, rank_, cfg_.timeout.count(), missing, epoch));
+        return "";
     }
 
-    void send_tokens(const DispatchRequest& req, const RoutePlan& plan, std::vector<int64_t>& sent) {
+    // Builds each routed token's message once (t ascending) and hands it to emit(t, bytes).
+    template <class Emit>
+    void build_messages(const DispatchRequest& req, const RoutePlan& plan, Emit&& emit) {
         const DispatchArgs& a = *req.args;
         const MessageLayout& m = arena_->msg;
         const int k_count = cfg_.num_topk;
@@ -484,10 +801,7 @@ class CpuBackend final : public BackendBuffer {
         const int64_t w_stride = a.topk_weights && plan.num_tokens > 1 ? a.topk_weights->stride(0) : k_count;
         std::vector<uint8_t> row(static_cast<size_t>(m.bytes), 0);
         for (int64_t t = 0; t < plan.num_tokens; ++t) {
-            const int32_t begin = plan.dest_offsets[static_cast<size_t>(t)];
-            const int32_t end = plan.dest_offsets[static_cast<size_t>(t + 1)];
-            if (begin == end) continue;
-            // build the message once, then copy it to each destination
+            if (plan.dest_offsets[static_cast<size_t>(t)] == plan.dest_offsets[static_cast<size_t>(t + 1)]) continue;
             if (req.quantize) {
                 quantize_row(static_cast<const uint16_t*>(a.x.data) + t * x_stride, h_count, cfg_.scale_format,
                              row.data(), row.data() + m.payload_bytes);
@@ -508,11 +822,7 @@ class CpuBackend final : public BackendBuffer {
                 w[k] = a.topk_weights ? static_cast<const float*>(a.topk_weights->data)[t * w_stride + k] : 0.0f;
             const auto src = static_cast<int32_t>(t);
             std::memcpy(row.data() + m.src_offset, &src, 4);
-            for (int32_t i = begin; i < end; ++i) {
-                const int d = plan.dests[static_cast<size_t>(i)];
-                std::memcpy(arena_->slot(d, rank_, sent[static_cast<size_t>(d)]++), row.data(),
-                            static_cast<size_t>(m.bytes));
-            }
+            emit(t, row.data());
         }
     }
 
@@ -541,10 +851,11 @@ class CpuBackend final : public BackendBuffer {
     // [-1, E), none repeated, at least one held here. Returns a mask of the messages to use. The
     // first violation names its sender: raised at once with host sync (after this rank has read its
     // round, so no peer waits on it), recorded as a sticky fault in graph mode.
-    std::vector<std::vector<uint8_t>> check_messages(uint64_t epoch, bool host_sync) {
+    // `earlier`: a fault this rank found forwarding (hybrid), reported the same way.
+    std::vector<std::vector<uint8_t>> check_messages(uint64_t epoch, bool host_sync, const std::string& earlier) {
         const MessageLayout& m = arena_->msg;
         const int64_t cap = cfg_.max_tokens_per_rank;
-        std::string fault;
+        std::string fault = earlier;
         auto note = [&](int s, const std::string& what) {
             if (fault.empty())
                 fault = cat("dispatch: rank ", rank_, " received malformed data from rank ", s, ": ", what,
@@ -730,6 +1041,12 @@ class CpuBackend final : public BackendBuffer {
 
     BufferConfig cfg_;
     int rank_, num_ranks_, e_local_;
+    // nodes (SEMANTICS.md, "Topology"): P ranks each, N of them; this rank's node and local index
+    int node_size_, nodes_, node_, local_;
+    bool hybrid_;        // topology=hybrid: the network hop (emulated) and forwarding
+    bool hierarchical_;  // several nodes: combine reduces per node first (direct and hybrid)
+    std::vector<int> all_ranks_, node_ranks_, rail_ranks_;
+    transport::scaleout::EmulationKnobs net_;
     std::shared_ptr<Arena> arena_;
     uint64_t epoch_ = 0;
     BadRoute fault_{};        // sticky: first invalid route of a graph-mode call, until reported
@@ -743,9 +1060,12 @@ class CpuBackend final : public BackendBuffer {
 }  // namespace
 
 size_t cpu_reservation_bytes(const BufferConfig& c, int num_ranks) {
-    // this rank's share of the arena: its receive slots and its combine slots, plus its combine output
+    // this rank's share of the arena: its receive slots and its combine slots, plus its combine output;
+    // hybrid adds its network regions (rail messages and node partials from every node)
     const Reservation r = reservation(c, num_ranks);
-    return static_cast<size_t>(r.dispatch_slots + r.combine_slots + r.combine_out);
+    const int64_t nodes = c.topology == Topology::kHybrid ? num_ranks / c.node_size(num_ranks) : 0;
+    const int64_t network = nodes * c.max_tokens_per_rank * (int64_t{message_layout(c).bytes} + int64_t{c.hidden} * 2);
+    return static_cast<size_t>(r.dispatch_slots + r.combine_slots + r.combine_out + network);
 }
 
 std::unique_ptr<BackendBuffer> make_cpu_backend(const BackendContext& ctx) { return std::make_unique<CpuBackend>(ctx); }

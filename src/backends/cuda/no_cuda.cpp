@@ -14,6 +14,12 @@ std::unique_ptr<BackendBuffer> make_cuda_backend(const BackendContext&) {
 size_t cuda_reservation_bytes(const BufferConfig&, int) {
     raise(ErrorCode::kUnsupported, "this build has no CUDA backend (nvcc was not found at configure time)");
 }
+std::unique_ptr<BackendBuffer> make_cuda_hybrid_backend(const BackendContext&) {
+    raise(ErrorCode::kUnsupported, "this build has no CUDA backend (nvcc was not found at configure time)");
+}
+size_t cuda_hybrid_reservation_bytes(const BufferConfig&, int) {
+    raise(ErrorCode::kUnsupported, "this build has no CUDA backend (nvcc was not found at configure time)");
+}
 }  // namespace detail
 
 SystemInfo system_info() {
