@@ -1246,7 +1246,10 @@ TEST(CudaBadInput, ForgedPeerDataIsAStickyFaultNamingTheSender) {
                           }),
                 tag));
             expect_context_ok(tag);
-            EXPECT_FALSE(err[1].has_value()) << tag << ": rank 1 got " << err[1]->message;
+            // the forger may trip its own rank's check too: the staged protocol hands a sender's announced
+            // count back to it as its combine slot range (kPeerSlot), which a forged count overflows
+            EXPECT_TRUE(!err[1].has_value() || err[1]->message.find("a combine slot range") != std::string::npos)
+                << tag << ": rank 1 got " << err[1]->message;
             ASSERT_TRUE(err[0].has_value()) << tag << ": rank 0 raised nothing";
             EXPECT_EQ(err[0]->code, ErrorCode::kInternal) << tag << ": " << err[0]->message;
             EXPECT_NE(err[0]->message.find("dispatch: rank 0 received corrupt data from rank 1: " + f.needle),

@@ -132,7 +132,9 @@ int run_case(const Ctx& cx, const PeerForgery& f, bool host_sync, const std::vec
                         fails.add("rank 0's outputs without rank 1's data: " + m);
                 }
             }
-        } else if (!error.empty()) {
+        } else if (!error.empty() && error.find("a combine slot range") == std::string::npos) {
+            // (the staged protocol hands a sender's announced count back to it as its combine slot range:
+            // a forged count may trip the forger's own check, kPeerSlot; any other error is a failure)
             fails.add("rank 1 got an error: " + error);
         }
         cx.gpu_group->barrier();  // both processes are done with these buffers before either frees its part

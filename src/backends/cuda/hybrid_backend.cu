@@ -756,10 +756,11 @@ class CudaHybridBackend final : public BackendBuffer {
         if (capturing) return;
         ELASTICEP_CUDA_CALL(cudaEventRecord(last_event_, stream));
         has_event_ = true;
-        if (synchronous) {
-            settle_rail();
-            ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
-        }
+        // An eager call leaves no rail transfer pending: the next call may be captured, and a capture
+        // forbids the event query of the rail's watchdog (device run 2026-12-01: "operation not
+        // permitted when stream is capturing" at the first captured call after eager ones).
+        settle_rail();
+        if (synchronous) ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
     }
 
     void sync_last() {
