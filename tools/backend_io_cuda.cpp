@@ -66,8 +66,13 @@ class CudaRankDevice final : public RankDevice {
     void* stream() override { return stream_; }
     TensorRef upload(const void* host, DType dtype, std::vector<int64_t> shape) override {
         TensorRef t = scratch(dtype, std::move(shape));
-        if (t.nbytes())
-            cuda_check(cudaMemcpy(t.data, host, t.nbytes(), cudaMemcpyHostToDevice), "cudaMemcpy to device");
+        // on the bench's stream and finished here: a pageable cudaMemcpy may return before its DMA
+        // lands, and the calls' streams are not ordered after the legacy stream
+        if (t.nbytes()) {
+            cuda_check(cudaMemcpyAsync(t.data, host, t.nbytes(), cudaMemcpyHostToDevice, stream_),
+                       "cudaMemcpyAsync to device");
+            cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+        }
         return t;
     }
     TensorRef scratch(DType dtype, std::vector<int64_t> shape) override {

@@ -119,7 +119,10 @@ struct Mem {
     void copy_in(void* dst, const void* src, size_t n) {
 #if defined(ELASTICEP_CLI_WITH_CUDA)
         if (cuda) {
-            if (n && cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice) != cudaSuccess)
+            // finished before returning (a pageable cudaMemcpy may return before its DMA lands, and the
+            // ranks' streams are not ordered after the legacy stream)
+            if (n && (cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice) != cudaSuccess ||
+                      cudaStreamSynchronize(cudaStreamLegacy) != cudaSuccess))
                 throw Error(ErrorCode::kCuda, "bench --moe-layer: upload failed");
             return;
         }

@@ -111,6 +111,8 @@ class CudaMoeLayer : public MoeLayerBackend {
         ELASTICEP_CUDA_CALL(cudaMalloc(&workspace_, kWorkspaceBytes));
         ELASTICEP_CUDA_CALL(cudaMalloc(&status_, sizeof(int32_t)));
         ELASTICEP_CUDA_CALL(cudaMemset(status_, 0, sizeof(int32_t)));
+        // the legacy stream's memset is asynchronous and the callers' streams may be non-blocking
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(cudaStreamLegacy));
         int major = 0, minor = 0;
         const std::string name = gpu_name(dev_.index, &major, &minor);
         const size_t ver = cublasLtGetVersion();
@@ -278,6 +280,7 @@ class CudaMoeLayer : public MoeLayerBackend {
         };
         s1_ = pad(*w_.gate_up_scales, 2 * w_.intermediate / 128, w_.hidden / 128, kb1_);
         s2_ = pad(*w_.down_scales, w_.hidden / 128, w_.intermediate / 128, kb2_);
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(cudaStreamLegacy));  // before any caller stream reads them
     }
 
     void dequantize_weights() {

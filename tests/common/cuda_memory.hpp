@@ -37,14 +37,21 @@ class CudaMemory final : public TestMemory {
     CudaMemory& operator=(const CudaMemory&) = delete;
 
     Device device() const override { return Device{DeviceType::kCUDA, device_}; }
+    // Both finish before returning, on this memory's stream: a cudaMemcpy from pageable memory may
+    // return before its DMA lands and a cudaMemset is asynchronous, both on the legacy stream, which the
+    // calls' non-blocking streams (and the peers' kernels reading this rank's tensors) do not wait for.
     void* place(const void* host, size_t bytes) override {
         void* p = alloc(bytes);
-        if (bytes) cuda_ok(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+        if (bytes) {
+            cuda_ok(cudaMemcpyAsync(p, host, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync H2D");
+            synchronize();
+        }
         return p;
     }
     void* fresh(size_t bytes, uint8_t fill) override {
         void* p = alloc(bytes);
-        cuda_ok(cudaMemset(p, fill, std::max<size_t>(bytes, 16)), "cudaMemset");
+        cuda_ok(cudaMemsetAsync(p, fill, std::max<size_t>(bytes, 16), stream_), "cudaMemsetAsync");
+        synchronize();
         return p;
     }
     void copy_to_host(void* dst, const void* src, size_t bytes) override {

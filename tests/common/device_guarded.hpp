@@ -25,6 +25,8 @@ class DeviceGuarded {
         cuda_ok(cudaMemset(b, kGuardByte, kGuard), "cudaMemset");
         cuda_ok(cudaMemset(b + kGuard, kFillByte, bytes), "cudaMemset");
         cuda_ok(cudaMemset(b + kGuard + bytes, kGuardByte, kGuard), "cudaMemset");
+        // landed before any call's (non-blocking) stream writes next to them
+        cuda_ok(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize");
     }
     ~DeviceGuarded() { cudaFree(base_); }
     DeviceGuarded(const DeviceGuarded&) = delete;

@@ -4,10 +4,12 @@
 // differences as sentences (empty: equal); test frameworks turn them into failures.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -275,6 +277,19 @@ inline std::string combine_mismatch(const std::vector<uint16_t>& got, const std:
        << (i < static_cast<int64_t>(got.size()) ? got[static_cast<size_t>(i)] : 0) << " want 0x"
        << (i < static_cast<int64_t>(want.size()) ? want[static_cast<size_t>(i)] : 0) << std::dec
        << (got.size() != want.size() ? " (sizes differ)" : "");
+    // how much differs: the count of values, and the first tokens with a difference
+    const size_t n = std::min(got.size(), want.size());
+    int64_t values = 0;
+    std::vector<int64_t> tokens;
+    for (size_t j = 0; j < n; ++j) {
+        if (got[j] == want[j]) continue;
+        ++values;
+        const int64_t t = static_cast<int64_t>(j) / hidden;
+        if (tokens.size() < 8 && (tokens.empty() || tokens.back() != t)) tokens.push_back(t);
+    }
+    os << "; " << values << " of " << n << " values differ, in tokens";
+    for (const int64_t t : tokens) os << " " << t;
+    if (tokens.size() == 8) os << " ...";
     return os.str();
 }
 

@@ -62,6 +62,7 @@ struct DevBuf {
     static DevBuf upload(const std::vector<T>& v) {
         DevBuf b(v.size() * sizeof(T));
         if (!v.empty()) cudaMemcpy(b.ptr, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice);
+        cudaStreamSynchronize(cudaStreamLegacy);  // the DMA has landed (the calls' streams are non-blocking)
         return b;
     }
 };

@@ -182,6 +182,7 @@ TEST(CudaBadInput, ArgumentsAreRefusedBeforeAnyCommunication) {
     auto* s = static_cast<uint8_t*>(scratch.ptr);
     const std::vector<int32_t> ids = {0, 1, 1, 0, 2, 3, 3, 2};
     ASSERT_EQ(cudaMemcpy(s + 65536, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);  // landed (the calls' streams are non-blocking)
     std::vector<uint8_t> host(1 << 16);
     void* x = s;
     void* idx = s + 65536;
@@ -483,6 +484,7 @@ class OffsetMemory final : public TestMemory {
         const size_t off = it == offsets_.end() ? 0 : it->second;
         auto* base = static_cast<uint8_t*>(dev_.fresh(bytes + off, 0x5a));
         if (bytes) cuda_ok(cudaMemcpy(base + off, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+        cuda_ok(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize");  // the DMA and the fill landed
         return base + off;
     }
     void* fresh(size_t bytes, uint8_t fill) override { return dev_.fresh(bytes, fill); }
@@ -1130,6 +1132,29 @@ TEST(CudaBadInput, LargestHiddenAndLongestTimeoutWork) {
     expect_good_round(masked, p, "H=65536, 7-day timeout, masked");
 }
 
+// The same shapes with the hidden size and the timeout apart: hidden from 4096 up to the limit with
+// the default timeout, and the longest timeout at a small hidden (a failure above names which one).
+TEST(CudaBadInput, HiddenSizesUpToTheLimitAndTheLongestTimeoutApart) {
+    ELASTICEP_SKIP_WITHOUT_GPU();
+    for (const int h : {4096, 8192, 16384, 32768, kMaxHidden}) {
+        BufferConfig cfg{.num_experts = 2, .num_topk = 2, .hidden = h, .max_tokens_per_rank = 2};
+        Pair p = pair_of(cfg, 2);
+        ASSERT_TRUE(p.ok);
+        const std::string tag = "H=" + std::to_string(h);
+        expect_good_round(scenario(cfg, 2, 110), p, tag + ", contiguous");
+        expect_good_round(scenario(cfg, 2, 112), p, tag + ", contiguous, second call");
+        Scenario masked = scenario(cfg, 2, 111);
+        masked.opt.layout = Layout::kExpertMasked;
+        expect_good_round(masked, p, tag + ", masked");
+    }
+    BufferConfig cfg{.num_experts = 2, .num_topk = 2, .hidden = 4096, .max_tokens_per_rank = 2};
+    cfg.timeout = kMaxTimeout;
+    Pair p = pair_of(cfg, 2);
+    ASSERT_TRUE(p.ok);
+    expect_good_round(scenario(cfg, 2, 110), p, "H=4096, 7-day timeout, contiguous");
+    expect_good_round(scenario(cfg, 2, 112), p, "H=4096, 7-day timeout, contiguous, second call");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Item 5 on the CUDA backend: buffer-owned outputs are never freed or moved while the buffer lives.
 // Calls of one layout and alignment reuse the same storage; a call that needs more gets new storage
@@ -1140,6 +1165,15 @@ TEST(CudaBadInput, ViewsOfBufferOwnedOutputsStayValid) {
     ELASTICEP_SKIP_WITHOUT_GPU();
     BufferConfig cfg{.num_experts = 4, .num_topk = 2, .hidden = 4096, .max_tokens_per_rank = 64};
     cfg.timeout = 20000ms;
+    {
+        // the last round below on a buffer that ran nothing before it
+        Pair fresh = pair_of(cfg, 1);
+        ASSERT_TRUE(fresh.ok);
+        Scenario masked = scenario(cfg, 1, 122);
+        masked.opt.layout = Layout::kExpertMasked;
+        expect_good_round(masked, fresh, "masked on a fresh buffer");
+        expect_good_round(masked, fresh, "masked on a fresh buffer, second call");
+    }
     Pair p = pair_of(cfg, 1);
     ASSERT_TRUE(p.ok);
     Buffer& buf = *p.gpu[0];

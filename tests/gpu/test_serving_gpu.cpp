@@ -54,7 +54,10 @@ struct Twin {
         t.push();
         return t;
     }
-    void push() { cudaMemcpy(dev.ptr, host.data(), host.size(), cudaMemcpyHostToDevice); }
+    void push() {
+        cudaMemcpy(dev.ptr, host.data(), host.size(), cudaMemcpyHostToDevice);
+        cudaStreamSynchronize(cudaStreamLegacy);  // landed before a non-blocking stream reads it
+    }
     std::vector<uint8_t> pull() const { return download<uint8_t>(dev.ptr, host.size()); }
     bool same() const { return pull() == host; }
     Twin(Twin&&) = default;
@@ -67,6 +70,7 @@ void both(Fn&& fn, std::vector<Twin*> outputs, const std::string& what) {
     int32_t host_status = 0;
     DevBuf dst(4);
     cudaMemset(dst.ptr, 0, 4);
+    cudaStreamSynchronize(cudaStreamLegacy);
     fn(false, TensorRef::contiguous(&host_status, DType::kInt32, {1}));
     fn(true, TensorRef::contiguous(dst.ptr, DType::kInt32, {1}, kGpu));
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
@@ -271,6 +275,7 @@ TEST(ServingGpu, AdapterReplaysFromACudaGraph) {
     Twin mi = Twin::of(DType::kInt32, {mc});
     DevBuf st(4);
     cudaMemset(st.ptr, 0, 4);
+    cudaStreamSynchronize(cudaStreamLegacy);
     cudaStream_t stream;
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
     MaskedToContiguousArgs f;
@@ -323,6 +328,7 @@ struct DeviceExperts {
         auto up = [&](TensorRef& t) {
             bufs.emplace_back(t.nbytes());
             cudaMemcpy(bufs.back().ptr, t.data, t.nbytes(), cudaMemcpyHostToDevice);
+            cudaStreamSynchronize(cudaStreamLegacy);
             t.data = bufs.back().ptr;
             t.device = kGpu;
         };

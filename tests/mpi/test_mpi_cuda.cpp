@@ -65,6 +65,8 @@ class DevMem {
         const size_t bytes = v.size() * sizeof(T);
         cuda_ok(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)), "cudaMalloc");
         if (bytes) cuda_ok(cudaMemcpy(ptr_, v.data(), bytes, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+        // the DMA has landed: the calls' streams are non-blocking, and a pageable cudaMemcpy may return first
+        cuda_ok(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize");
     }
     DevMem(const DevMem&) = delete;
     DevMem& operator=(const DevMem&) = delete;

@@ -164,6 +164,7 @@ int graph_replays(const Ctx& cx, Buffer& cpu, Buffer& gpu, const BufferConfig& c
         cuda_ok(cudaMemcpy(dx, r.x.data(), r.x.size() * 2, cudaMemcpyHostToDevice), "h2d");
         cuda_ok(cudaMemcpy(didx, r.idx64.data(), r.idx64.size() * 8, cudaMemcpyHostToDevice), "h2d");
         cuda_ok(cudaMemcpy(dw, r.w.data(), r.w.size() * 4, cudaMemcpyHostToDevice), "h2d");
+        cuda_ok(cudaStreamSynchronize(cudaStreamLegacy), "sync");  // landed before the non-blocking streams read
     };
     DispatchArgs a;
     a.x = TensorRef::contiguous(dx, DType::kBFloat16, {t, cfg.hidden}, dev);

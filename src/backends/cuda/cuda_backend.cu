@@ -295,7 +295,11 @@ class CudaBackend final : public BackendBuffer {
     void reset_expert_load() override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
         sync_last();
-        ELASTICEP_CUDA_CALL(cudaMemset(ws_.expert_load, 0, static_cast<size_t>(e_local_) * sizeof(int64_t)));
+        // on this buffer's stream, finished before returning: a cudaMemset on the legacy stream would be
+        // asynchronous and unordered with the next call's (non-blocking) stream
+        ELASTICEP_CUDA_CALL(
+            cudaMemsetAsync(ws_.expert_load, 0, static_cast<size_t>(e_local_) * sizeof(int64_t), own_stream_));
+        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
     }
 
     void check() override {
