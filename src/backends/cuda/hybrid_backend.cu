@@ -465,7 +465,8 @@ class CudaHybridBackend final : public BackendBuffer {
         if (asked != ScaleOut::kEmulated && nccl_everywhere) {
             std::exception_ptr f;
             try {
-                comm = so::make_nccl_comm(*rail_group_, dev_);
+                // GIN's set-up takes a blocking communicator; the point-to-point rail a non-blocking one
+                comm = so::make_nccl_comm(*rail_group_, dev_, asked != ScaleOut::kNccl, cfg_.timeout);
             } catch (...) {
                 f = std::current_exception();
             }
@@ -514,6 +515,7 @@ class CudaHybridBackend final : public BackendBuffer {
         }
         std::exception_ptr f;
         try {
+            comm = so::nonblocking_nccl_comm(std::move(comm), *rail_group_, dev_, cfg_.timeout);  // auto after GIN
             rail_ =
                 so::make_nccl_rail(comm, rail_region_, dev_, shape_.node, shape_.local, shape_.node_size, cfg_.timeout);
         } catch (...) {
@@ -537,6 +539,7 @@ class CudaHybridBackend final : public BackendBuffer {
         c.local = shape_.local;
         c.node_size = shape_.node_size;
         c.phase = phase;
+        c.expected = calls_;
         return c;
     }
 

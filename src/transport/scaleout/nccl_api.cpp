@@ -38,6 +38,7 @@ NcclApi load() {
         bind(lib, a.get_version, "ncclGetVersion");
         bind(lib, a.get_unique_id, "ncclGetUniqueId");
         bind(lib, a.comm_init_rank, "ncclCommInitRank");
+        bind(lib, a.comm_init_rank_config, "ncclCommInitRankConfig");
         bind(lib, a.comm_destroy, "ncclCommDestroy");
         bind(lib, a.comm_abort, "ncclCommAbort");
         bind(lib, a.get_error_string, "ncclGetErrorString");

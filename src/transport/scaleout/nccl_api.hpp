@@ -19,6 +19,7 @@ struct NcclApi {
     decltype(&::ncclGetVersion) get_version;
     decltype(&::ncclGetUniqueId) get_unique_id;
     decltype(&::ncclCommInitRank) comm_init_rank;
+    decltype(&::ncclCommInitRankConfig) comm_init_rank_config;  // non-blocking communicators (NCCL 2.14+)
     decltype(&::ncclCommDestroy) comm_destroy;
     decltype(&::ncclCommAbort) comm_abort;
     decltype(&::ncclGetErrorString) get_error_string;

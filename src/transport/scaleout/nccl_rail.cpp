@@ -30,7 +30,8 @@ bool nccl_compiled() { return true; }
 
 std::string nccl_build_version() { return detail::cat(NCCL_MAJOR, ".", NCCL_MINOR, ".", NCCL_PATCH); }
 
-NcclComm::NcclComm(Group& rail, int device) : rank_(rail.rank()), size_(rail.size()), device_(device) {
+NcclComm::NcclComm(Group& rail, int device, bool blocking, std::chrono::milliseconds timeout)
+    : rank_(rail.rank()), size_(rail.size()), device_(device) {
     ::setenv("NCCL_CUMEM_ENABLE", "1", 0);  // an explicit setting wins
     struct Hello {
         int32_t ok;
@@ -56,8 +57,37 @@ NcclComm::NcclComm(Group& rail, int device) : rank_(rail.rank()), size_(rail.siz
                         std::string(all[static_cast<size_t>(q)].why, strnlen(all[static_cast<size_t>(q)].why, 256)));
     ELASTICEP_CUDA_CALL(cudaSetDevice(device));
     const NcclApi& api = nccl_api();
-    const ncclResult_t r = api.comm_init_rank(&comm_, size_, all[0].id, rank_);
-    if (r != ncclSuccess) detail::raise(ErrorCode::kNccl, nccl_error("ncclCommInitRank (rail)", r, nullptr));
+    blocking_ = blocking || api.comm_init_rank_config == nullptr;
+    if (blocking_) {
+        const ncclResult_t r = api.comm_init_rank(&comm_, size_, all[0].id, rank_);
+        if (r != ncclSuccess) detail::raise(ErrorCode::kNccl, nccl_error("ncclCommInitRank (rail)", r, nullptr));
+        return;
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    ncclResult_t r = api.comm_init_rank_config(&comm_, size_, all[0].id, rank_, &config);
+    if (r == ncclInProgress) r = settle_call(deadline);
+    if (r == ncclSuccess) return;
+    const bool late = r == ncclInProgress;
+    abort();
+    ELASTICEP_CHECK(!late, ErrorCode::kTimeout, "scaleout=nccl: rail rank ", rank_, " waited ", timeout.count(),
+                    " ms for the rail's NCCL communicator to form (", size_,
+                    " rail ranks); a rail peer did not join, or the network between the nodes is down");
+    detail::raise(ErrorCode::kNccl, nccl_error("ncclCommInitRankConfig (rail)", r, nullptr));
+}
+
+ncclResult_t NcclComm::settle_call(std::chrono::steady_clock::time_point deadline) const {
+    if (blocking_) return ncclSuccess;
+    const NcclApi& api = nccl_api();
+    for (int spins = 0;; ++spins) {
+        ncclResult_t state = ncclSuccess;
+        const ncclResult_t q = api.comm_get_async_error(comm_, &state);
+        if (q != ncclSuccess) return q;
+        if (state != ncclInProgress) return state;
+        if (std::chrono::steady_clock::now() > deadline) return ncclInProgress;
+        if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
 }
 
 NcclComm::~NcclComm() {
@@ -114,6 +144,7 @@ class NcclRail final : public Rail {
             "scaleout=nccl: the rail communicator was aborted after an earlier timeout; rebuild the buffer");
         const NcclApi& api = nccl_api();
         ncclComm_t c = comm_->get();
+        const auto since = std::chrono::steady_clock::now();
         ELASTICEP_NCCL_CALL(c, api.group_start());
         for (int q = 0; q < call.num_nodes; ++q) {
             if (q == node_) continue;
@@ -125,11 +156,20 @@ class NcclRail final : public Rail {
                 c, api.recv(base_ + region_.recv_slab(call.phase, q) + sizes->offset, in, ncclUint8, q, c, stream));
         }
         ELASTICEP_NCCL_CALL(c, api.group_end());
+        // non-blocking communicator: the group is enqueued on `stream` (the connections to a peer made at
+        // its first transfer, which waits for that peer) once NCCL leaves ncclInProgress; nothing else is
+        // enqueued before that, and a peer that never comes ends in Timeout, not in a blocked host
+        const ncclResult_t r = comm_->settle_call(since + timeout_);
+        if (r == ncclInProgress) {
+            pending_phase_ = call.phase;
+            give_up(call.expected);
+        }
+        if (r != ncclSuccess) detail::raise(ErrorCode::kNccl, nccl_error("scaleout=nccl: ncclGroupEnd", r, c));
         if (capturing) return;  // a replay is the caller's to synchronise; no watchdog inside a graph
         ELASTICEP_CUDA_CALL(cudaEventRecord(moved_, stream));
         pending_ = true;
         pending_phase_ = call.phase;
-        pending_since_ = std::chrono::steady_clock::now();
+        pending_since_ = since;
     }
 
     void settle(uint64_t expected) override {
@@ -151,9 +191,14 @@ class NcclRail final : public Rail {
             if (std::chrono::steady_clock::now() - pending_since_ > timeout_) break;
             if (spins > 100) std::this_thread::sleep_for(std::chrono::microseconds(20));
         }
-        // a rail peer never posted its side: end the transfer (NCCL has no deadline of its own) and name
-        // the peers; NCCL cannot say which one is missing, so every other node of the rail is named
         pending_ = false;
+        give_up(expected);
+    }
+
+ private:
+    // A rail peer never posted its side: end the transfer (NCCL has no deadline of its own) and name
+    // the peers; NCCL cannot say which one is missing, so every other node of the rail is named.
+    [[noreturn]] void give_up(uint64_t expected) {
         comm_->abort();
         detail::MissingPeers m{};
         m.observed = expected > 0 ? expected - 1 : 0;
@@ -170,7 +215,6 @@ class NcclRail final : public Rail {
                           "communicator was aborted)");
     }
 
- private:
     std::shared_ptr<NcclComm> comm_;
     kernels::hybrid::RailRegion region_;
     int device_, node_, local_, node_size_;
@@ -186,12 +230,21 @@ class NcclRail final : public Rail {
 
 }  // namespace
 
-std::shared_ptr<NcclComm> make_nccl_comm(Group& rail, int device) { return std::make_shared<NcclComm>(rail, device); }
+std::shared_ptr<NcclComm> make_nccl_comm(Group& rail, int device, bool blocking, std::chrono::milliseconds timeout) {
+    return std::make_shared<NcclComm>(rail, device, blocking, timeout);
+}
 
 std::unique_ptr<Rail> make_nccl_rail(std::shared_ptr<NcclComm> comm, const kernels::hybrid::RailRegion& region,
                                      int device, int node, int local, int node_size,
                                      std::chrono::milliseconds timeout) {
     return std::make_unique<NcclRail>(std::move(comm), region, device, node, local, node_size, timeout);
+}
+
+std::shared_ptr<NcclComm> nonblocking_nccl_comm(std::shared_ptr<NcclComm> comm, Group& rail, int device,
+                                                std::chrono::milliseconds timeout) {
+    if (!comm->blocking() || nccl_api().comm_init_rank_config == nullptr) return comm;
+    comm.reset();
+    return std::make_shared<NcclComm>(rail, device, false, timeout);
 }
 
 #else  // built without NCCL
@@ -201,13 +254,16 @@ class NcclComm {};
 bool nccl_compiled() { return false; }
 std::string nccl_build_version() { return ""; }
 
-std::shared_ptr<NcclComm> make_nccl_comm(Group&, int) {
+std::shared_ptr<NcclComm> make_nccl_comm(Group&, int, bool, std::chrono::milliseconds) {
     detail::raise(ErrorCode::kUnsupported,
                   "this ElasticEP was built without NCCL (cmake/ElasticepNccl.cmake found none): scaleout=nccl and "
                   "scaleout=gin need it; rebuild with NCCL (set NCCL_ROOT), or use scaleout=emulated on one host");
 }
 std::unique_ptr<Rail> make_nccl_rail(std::shared_ptr<NcclComm>, const kernels::hybrid::RailRegion&, int, int, int, int,
                                      std::chrono::milliseconds) {
+    detail::raise(ErrorCode::kUnsupported, "this ElasticEP was built without NCCL: scaleout=nccl needs it");
+}
+std::shared_ptr<NcclComm> nonblocking_nccl_comm(std::shared_ptr<NcclComm>, Group&, int, std::chrono::milliseconds) {
     detail::raise(ErrorCode::kUnsupported, "this ElasticEP was built without NCCL: scaleout=nccl needs it");
 }
 

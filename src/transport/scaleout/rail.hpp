@@ -41,7 +41,8 @@ struct RailCall {
     uint8_t* base;  // this rank's network area
     kernels::hybrid::RailRegion region;
     int32_t num_nodes, node, local, node_size;
-    int32_t phase;  // detail::Phase
+    int32_t phase;      // detail::Phase
+    uint64_t expected;  // the call number of this call (host side: Timeout messages)
 };
 
 // Host-known sizes of one move (NCCL): bytes to send to / receive from each node, from `offset` of the slabs.
@@ -80,7 +81,13 @@ std::string nccl_build_version();
 // is missing. `tag` names the rank in errors.
 std::unique_ptr<Rail> make_emulated_rail(Group& rail, const kernels::hybrid::RailRegion& region, int device,
                                          cudaStream_t stream, int node, int local, int node_size);
-std::shared_ptr<NcclComm> make_nccl_comm(Group& rail, int device);
+// `blocking` false: a non-blocking communicator (NcclComm), what the NCCL point-to-point rail needs to
+// bound its waits; GIN's set-up takes a blocking one.
+std::shared_ptr<NcclComm> make_nccl_comm(Group& rail, int device, bool blocking, std::chrono::milliseconds timeout);
+// `comm` when it is non-blocking (or NCCL has no non-blocking communicators); else a new non-blocking
+// one on the same rail, `comm` released first (collective, like make_nccl_comm).
+std::shared_ptr<NcclComm> nonblocking_nccl_comm(std::shared_ptr<NcclComm> comm, Group& rail, int device,
+                                                std::chrono::milliseconds timeout);
 std::unique_ptr<Rail> make_nccl_rail(std::shared_ptr<NcclComm> comm, const kernels::hybrid::RailRegion& region,
                                      int device, int node, int local, int node_size, std::chrono::milliseconds timeout);
 // GIN on the rail: throws Unsupported with NCCL's own reason when NCCL creates no GIN context here.
