@@ -203,7 +203,9 @@ def test_deepgemm_detects_a_wrong_expert_order():
             disp = S.MoeDispatcher(buf, expert_alignment=dg.get_mk_alignment_for_contiguous_layout())
             w = S.synthetic_expert_weights("fp8_block128", EL, H, I, first_expert=r * EL, seed=SEED,
                                            like=torch.device("cuda"))
-            roll = lambda t: torch.roll(t, 1, dims=0).contiguous()  # noqa: E731
+            # local expert e gets expert e - 1's weights (an index select: torch.roll has no fp8 kernel)
+            shift = torch.roll(torch.arange(EL, device="cuda"), 1)
+            roll = lambda t: t.contiguous().view(torch.uint8).index_select(0, shift).view(t.dtype)  # noqa: E731
             experts = DG.DeepGemmExperts(roll(w["gate_up"]), roll(w["gate_up_scales"]), roll(w["down"]),
                                          roll(w["down_scales"]))
             x, idx, wt = inputs[r]
