@@ -115,9 +115,8 @@ struct PathChoice {
 };
 
 // ELASTICEP_KERNEL_VARIANT: auto, staged or direct; unset: kDefaultKernelVariant. auto takes the staged
-// path: the direct path is opt-in (=direct) while two GPU tests fail on it (device run of 2026-12-01: a
-// second-round combine mismatch at hidden 65536, and a deadlock when CUDA graphs of several ranks that
-// also hold other kernels replay on one GPU; docs/perf/NOTES.md).
+// path: the direct path is opt-in (=direct) while a GPU test deadlocks on it (device run of 2026-12-01:
+// CUDA graphs of several ranks that also hold other kernels replayed on one GPU; docs/perf/NOTES.md).
 constexpr const char* kDefaultKernelVariant = "auto";
 
 std::string kernel_variant() {
