@@ -47,7 +47,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -160,12 +159,7 @@ kernels::SendPayload send_payload(const BufferConfig& c, bool prequantized) {
     raise(ErrorCode::kInternal, "internal: unknown scale format");
 }
 
-// The buffer's timeout in ns, saturating (a wait with an enormous bound simply never expires).
-uint64_t timeout_ns(std::chrono::milliseconds t) {
-    const uint64_t ms = static_cast<uint64_t>(std::max<int64_t>(t.count(), 0));
-    constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max() / 1000000ull;
-    return ms > kMax ? std::numeric_limits<uint64_t>::max() : ms * 1000000ull;
-}
+using cuda::timeout_ns;
 
 class CudaBackend final : public BackendBuffer {
  public:
@@ -287,18 +281,12 @@ class CudaBackend final : public BackendBuffer {
     std::vector<int64_t> expert_load() override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
         sync_last();
-        std::vector<int64_t> v(static_cast<size_t>(e_local_));
-        ELASTICEP_CUDA_CALL(cudaMemcpy(v.data(), ws_.expert_load, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost));
-        return v;
+        return cuda::read_expert_load(ws_.expert_load, e_local_);
     }
     void reset_expert_load() override {
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
         sync_last();
-        // on this buffer's stream, finished before returning: a cudaMemset on the legacy stream would be
-        // asynchronous and unordered with the next call's (non-blocking) stream
-        ELASTICEP_CUDA_CALL(
-            cudaMemsetAsync(ws_.expert_load, 0, static_cast<size_t>(e_local_) * sizeof(int64_t), own_stream_));
-        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+        cuda::clear_expert_load(ws_.expert_load, e_local_, own_stream_);
     }
 
     void check() override {

@@ -102,4 +102,17 @@ TensorRef DeviceOutputs::combine_out(const CombineArgs& args, int64_t num_tokens
                                  Device{DeviceType::kCUDA, device_});
 }
 
+std::vector<int64_t> read_expert_load(const int64_t* counts, int num_local_experts) {
+    std::vector<int64_t> v(static_cast<size_t>(num_local_experts));
+    ELASTICEP_CUDA_CALL(cudaMemcpy(v.data(), counts, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost));
+    return v;
+}
+
+void clear_expert_load(int64_t* counts, int num_local_experts, cudaStream_t stream) {
+    // on the buffer's stream and waited for: a cudaMemset on the legacy stream would be asynchronous
+    // and unordered with the next call's (non-blocking) stream
+    ELASTICEP_CUDA_CALL(cudaMemsetAsync(counts, 0, static_cast<size_t>(num_local_experts) * sizeof(int64_t), stream));
+    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
+}
+
 }  // namespace elasticep::detail::cuda

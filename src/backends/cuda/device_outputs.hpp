@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "elasticep/buffer.hpp"
@@ -20,6 +21,11 @@ struct DispatchTargets {
     int32_t* recv_src = nullptr;
     int32_t* m_indices = nullptr;  // contiguous only
 };
+
+// The per-local-expert route counts a buffer keeps on the device (ws.expert_load): read back, and
+// zeroed on `stream`; both return with the work done. The caller has synchronised its last call.
+std::vector<int64_t> read_expert_load(const int64_t* counts, int num_local_experts);
+void clear_expert_load(int64_t* counts, int num_local_experts, cudaStream_t stream);
 
 class DeviceOutputs {
  public:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <limits>
 #include <string>
 
 namespace elasticep::detail::cuda {
@@ -20,6 +21,12 @@ LaunchConfig LaunchConfig::choose(const BufferConfig& config, const transport::P
     if (const char* v = std::getenv("ELASTICEP_SHARED_GPU_DEVICE_WAITS"); v && std::string(v) == "1")
         c.host_waits = false;
     return c;
+}
+
+uint64_t timeout_ns(std::chrono::milliseconds t) {
+    const uint64_t ms = static_cast<uint64_t>(std::max<int64_t>(t.count(), 0));
+    constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max() / 1000000ull;
+    return ms > kMax ? std::numeric_limits<uint64_t>::max() : ms * 1000000ull;
 }
 
 }  // namespace elasticep::detail::cuda

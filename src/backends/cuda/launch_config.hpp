@@ -3,6 +3,9 @@
 // ranks run (transport::Placement), the same way on every rank.
 #pragma once
 
+#include <chrono>
+#include <cstdint>
+
 #include "elasticep/config.hpp"
 #include "transport/symmetric_memory.hpp"
 
@@ -20,5 +23,9 @@ struct LaunchConfig {
     // group on one GPU alone takes all of them.
     static LaunchConfig choose(const BufferConfig& config, const transport::Placement& where, int device_sms);
 };
+
+// The buffer's timeout in ns for the kernels' bounded waits, saturating (a wait with an enormous
+// bound simply never expires).
+uint64_t timeout_ns(std::chrono::milliseconds t);
 
 }  // namespace elasticep::detail::cuda
