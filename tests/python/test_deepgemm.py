@@ -30,7 +30,7 @@ import pytest
 
 import moe_dense as D
 import oracle as O
-from conftest import ep
+from conftest import ep, run_ranks
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
@@ -72,25 +72,8 @@ def bits(t):
 
 
 def run_threads(R, fn):
-    groups = ep.ThreadGroup(R, timeout=600)
-    res, errs = [None] * R, [None] * R
-
-    def body(r):
-        try:
-            res[r] = fn(r, groups[r])
-        except BaseException as e:  # noqa: BLE001
-            errs[r] = e
-
-    ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(R)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(900)
-        assert not t.is_alive(), "rank thread hung"
-    for r, e in enumerate(errs):
-        if e is not None:
-            raise AssertionError("rank %d: %s: %s" % (r, type(e).__name__, e)) from e
-    return res
+    """conftest.run_ranks with the long waits DeepGEMM's first JIT compiles need."""
+    return run_ranks(R, fn, timeout=900.0, group_timeout=600.0)
 
 
 def layer_inputs(R, T, E, seed):

@@ -10,7 +10,7 @@ import pytest
 
 import moe_dense as D
 import oracle as O
-from conftest import ep
+from conftest import ep, run_ranks
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
@@ -39,25 +39,8 @@ def cuda_bf16(a):
 
 
 def run_threads(R, fn):
-    groups = ep.ThreadGroup(R, timeout=120)
-    res, errs = [None] * R, [None] * R
-
-    def body(r):
-        try:
-            res[r] = fn(r, groups[r])
-        except BaseException as e:  # noqa: BLE001
-            errs[r] = e
-
-    ts = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(R)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(600)
-        assert not t.is_alive(), "rank thread hung"
-    for r, e in enumerate(errs):
-        if e is not None:
-            raise AssertionError("rank %d: %s: %s" % (r, type(e).__name__, e)) from e
-    return res
+    """conftest.run_ranks with the waits of a GPU layer."""
+    return run_ranks(R, fn, timeout=600.0, group_timeout=120.0)
 
 
 def test_adapters_on_cuda_equal_the_cpu_adapters():
