@@ -187,8 +187,11 @@ class DeepGemmExperts:
                                        "payload='fp8'), got %s" % x.dtype)
         fmt = _scale_format(d)
         if fmt != "f32_g128":
-            raise UnsupportedError("DeepGemmExperts runs DeepGEMM's sm90 kernels with f32_g128 scales; the dispatch "
-                                   "has %s (Blackwell's packed UE8M0 path is not implemented here)" % fmt)
+            # by design: UE8M0 scales feed DeepGEMM's sm100 (Blackwell) kernels; this FFN calls its sm90 ones.
+            # The packed UE8M0 layout itself is checked against DeepGEMM's packing (test_deepgemm.py).
+            raise UnsupportedError("DeepGemmExperts calls DeepGEMM's sm90 (Hopper) kernels, which take f32_g128 "
+                                   "scales; the dispatch has %s, the scales of its sm100 (Blackwell) kernels, which "
+                                   "this FFN does not call: dispatch with scale_format='f32_g128'" % fmt)
         if int(x.shape[-1]) != self.hidden:
             raise InvalidArgumentError("DeepGemmExperts: hidden %d, the experts have H=%d" % (x.shape[-1], self.hidden))
         n1, i = 2 * self.intermediate, self.intermediate
