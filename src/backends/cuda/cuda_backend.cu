@@ -57,6 +57,7 @@
 #include "backends/cuda/kernel_launch.hpp"
 #include "backends/cuda/launch_config.hpp"
 #include "backends/cuda/peer_watch.hpp"
+#include "backends/cuda/stage_timer.hpp"
 #include "core/backend.hpp"
 #include "core/check.hpp"
 #include "core/outputs.hpp"
@@ -170,7 +171,8 @@ class CudaBackend final : public BackendBuffer {
           num_ranks_(ctx.num_ranks),
           e_local_(cfg_.num_experts / ctx.num_ranks),
           shape_(make_shape(cfg_, ctx.num_ranks)),
-          region_(RegionLayout::make(shape_)) {
+          region_(RegionLayout::make(shape_)),
+          stages_(ctx.rank) {
         // Everything before the first collective may fail on this rank alone: the failure travels with
         // the first exchange (Placement::gather), so every rank raises at the same point.
         std::exception_ptr failure;
@@ -352,6 +354,7 @@ class CudaBackend final : public BackendBuffer {
 
         int64_t rows_out = contiguous ? req.rows_cap : shape_.slots();
         int rounds = 1;
+        stages_.begin("dispatch", stream, capturing);
         if (direct_) {
             // the receivers' scale strides before the counts are known (MN-major buffer-owned
             // contiguous scales with host sync depend on M: the senders derive them on the device)
@@ -365,6 +368,7 @@ class CudaBackend final : public BackendBuffer {
             }
             run_direct([&](int grid) { cuda::launch_direct_dispatch(p, modes, grid, stream); }, p, stream, capturing,
                        kPhaseDispatch, region_.plan_flags, region_.sent_flags, 1, true);
+            stages_.mark("direct");
             if (p.host_sync) {
                 ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
                 watch_->raise_faults();
@@ -381,11 +385,14 @@ class CudaBackend final : public BackendBuffer {
             const int grid = 2 * launch_.num_sms;
             p.round = 0;
             cuda::launch_plan(p, modes, stream);
+            stages_.mark("plan");
             cuda::launch_send(p, modes, grid, stream);
+            stages_.mark("send");
             // a test playing a sender that breaks the protocol (core/testing.hpp)
             if (forger_) cuda::forge_outgoing(forger_, rank_, shape_, region_, window_->windows(), ws_, stream);
             meet_peers([&] { cuda::launch_exchange(p, modes, stream); }, p, stream, capturing,
                        [&] { watch_->host_wait(stream, kPhaseDispatch); });
+            stages_.mark("exchange");
             if (p.host_sync) {
                 ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
                 watch_->raise_faults();
@@ -407,7 +414,9 @@ class CudaBackend final : public BackendBuffer {
                 p.recv_scale_strides =
                     contiguous ? kernels::ScaleStrides{0, st[0], st[1]} : kernels::ScaleStrides{st[0], st[1], st[2]};
             }
+            if (p.host_sync) stages_.mark("host read of M");
             cuda::launch_expand(p, modes, grid, stream);
+            stages_.mark("expand");
             // further rounds through the ring: free (every rank expanded), fill (send), read (expand)
             for (int r = 1; r < rounds; ++r) {
                 p.round = r;
@@ -415,6 +424,7 @@ class CudaBackend final : public BackendBuffer {
                 cuda::launch_send(p, modes, grid, stream);
                 round_barrier(p, 2 * r, stream);
                 cuda::launch_expand(p, modes, grid, stream);
+                stages_.mark("round (barriers, send, expand)");
             }
         }
         const Device dev = device();
@@ -426,6 +436,7 @@ class CudaBackend final : public BackendBuffer {
             result.masked_m = result.counts;
         }
         finish(stream, a.stream == nullptr, capturing);
+        stages_.end();
         handle.num_sms = launch_.num_sms;
         handle.backend_data = nullptr;
     }
@@ -456,17 +467,23 @@ class CudaBackend final : public BackendBuffer {
         p.weighted = args.weighted;
         const bool capturing = is_capturing(stream);
         const bool nodes = shape_.node_level();
+        stages_.begin("combine", stream, capturing);
         if (direct_) {
             run_direct([&](int grid) { cuda::launch_direct_combine(p, nodes, grid, stream); }, p, stream, capturing,
                        kPhaseCombine, region_.ready_flags, region_.done_flags, 0, false);
+            stages_.mark("direct");
         } else {
             const int grid = 2 * (handle.num_sms > 0 ? handle.num_sms : launch_.num_sms);
             cuda::launch_partial(p, args.weighted, grid, stream);
+            stages_.mark("partial");
             meet_peers([&] { cuda::launch_publish(p, stream); }, p, stream, capturing,
                        [&] { watch_->host_wait(stream, kPhaseCombine); });
+            stages_.mark("publish");
             cuda::launch_reduce(p, p.bias != nullptr, nodes, grid, stream);
+            stages_.mark("reduce");
         }
         finish(stream, args.stream == nullptr, capturing);
+        stages_.end();
         if (args.stream == nullptr) watch_->raise_faults();
         return out;
     }
@@ -600,6 +617,7 @@ class CudaBackend final : public BackendBuffer {
     std::unique_ptr<transport::SymmetricMemory> window_;
     std::unique_ptr<cuda::PeerWatch> watch_;
     testing::DispatchForger forger_;  // test-only fault injection, empty in every real use
+    cuda::StageTimer stages_;         // ELASTICEP_STAGE_TIMES=1: per-kernel times (diagnostics)
 };
 
 }  // namespace

@@ -1,0 +1,49 @@
+// Per-kernel stage times of a CUDA buffer's calls, for finding where a call's latency goes
+// (docs/PERFORMANCE.md, "Where staged decode goes"). Off unless ELASTICEP_STAGE_TIMES=1 is set when
+// the buffer is built; then every call outside a graph capture records a CUDA event after each of its
+// kernels, waits for the last one at the end of the call (a host synchronisation the call otherwise
+// would not make: use it with the bench's isolated rounds, not for back-to-back figures), and the
+// buffer prints one line per stage on stderr when it is destroyed: the median and the minimum of
+// the event-to-event times, in microseconds. A stage includes the time its kernel waited for peers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+namespace elasticep::detail::cuda {
+
+class StageTimer {
+ public:
+    explicit StageTimer(int rank);
+    ~StageTimer();
+    StageTimer(const StageTimer&) = delete;
+    StageTimer& operator=(const StageTimer&) = delete;
+
+    bool on() const { return on_; }
+    // The start of a call of `phase` ("dispatch", "combine") on `stream`; nothing while capturing.
+    void begin(const char* phase, cudaStream_t stream, bool capturing);
+    // After the launch of the stage named `stage` (the kernel just enqueued on the call's stream).
+    void mark(const char* stage);
+    // The end of the call: waits for its last event and adds every stage's time.
+    void end();
+
+ private:
+    struct Stage {
+        std::string name;
+        std::vector<float> us;
+    };
+    Stage& stage(const std::string& name);
+
+    bool on_ = false;
+    bool active_ = false;
+    int rank_ = 0;
+    std::string phase_;
+    cudaStream_t stream_ = nullptr;
+    std::vector<cudaEvent_t> events_;  // pool; events_[0] is the call's start
+    std::vector<std::string> names_;   // names_[i]: the stage that ends at events_[i + 1]
+    std::vector<Stage> stages_;        // in first-seen order
+};
+
+}  // namespace elasticep::detail::cuda
