@@ -10,7 +10,7 @@ using kernels::SendPayloadChoice;
 using kernels::with_constants;
 
 void launch_plan(const DispatchParams& p, const DispatchModes& modes, cudaStream_t stream) {
-    const int grid = p.shape.num_experts + p.shape.num_ranks + kernels::kStatusBlocks;
+    const int grid = kernels::plan_grid(p.shape, p.num_tokens).blocks();
     with_constants([&](auto idx64) { kernels::plan_kernel<Team, idx64()><<<grid, kernels::kThreads, 0, stream>>>(p); },
                    BoolChoice{modes.idx64});
     ELASTICEP_CUDA_CHECK_LAUNCH();

@@ -69,6 +69,37 @@ __device__ __forceinline__ int block_scan(bool flag, int& running) {
     return prefix;
 }
 
+// Exclusive prefix sums of a[0, n) in place in shared memory, a[n] = the total (a holds n + 1
+// entries); `most` (optional) gets the largest element. Warp 0 scans 32 entries per step, so n
+// entries cost n / 32 shuffle scans instead of n dependent steps of one thread. The whole block
+// calls (blockDim.x >= 32); barriers before and after.
+__device__ __forceinline__ void block_exclusive_scan(int32_t* a, int n, int32_t* most = nullptr) {
+    __syncthreads();
+    if (warp_id() == 0) {
+        const int lane = lane_id();
+        int32_t carry = 0, top = 0;
+        for (int i0 = 0; i0 < n; i0 += kWarpSize) {
+            const int i = i0 + lane;
+            const int32_t v = i < n ? a[i] : 0;
+            int32_t x = v, m = v;
+#pragma unroll
+            for (int o = 1; o < kWarpSize; o <<= 1) {
+                const int32_t y = __shfl_up_sync(kFullMask, x, o);
+                if (lane >= o) x += y;
+                m = max(m, __shfl_xor_sync(kFullMask, m, o));
+            }
+            if (i < n) a[i] = carry + x - v;
+            carry += __shfl_sync(kFullMask, x, kWarpSize - 1);
+            top = max(top, m);
+        }
+        if (lane == 0) {
+            a[n] = carry;
+            if (most) *most = top;
+        }
+    }
+    __syncthreads();
+}
+
 // Work split of a kernel whose unit is a row of `steps` serial steps: with fewer rows than warps
 // (decode) a row's steps are split over several warps, otherwise (prefill) a warp takes whole rows.
 // Work item i is slice i % slices of row i / slices and covers steps [begin, end).

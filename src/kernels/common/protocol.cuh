@@ -58,6 +58,33 @@ __device__ WaitStatus wait_all(const Team& team, OffsetOf offset_of, uint64_t ep
     return WaitStatus::kOk;
 }
 
+// The whole block calls: thread q waits for peer q's word (strided over the team), so when every
+// peer has arrived the wait costs one peer's latency, not one per peer in series; only when some
+// word was not seen before the deadline does thread 0 make wait_all's pass, which records the
+// peers still missing. Returns the status to every thread; what the peers wrote before their
+// signals is visible to every thread afterwards (each acquire, then the block barrier).
+template <bool kGpuScope = false, class Team, class OffsetOf>
+__device__ WaitStatus block_wait_all(const Team& team, OffsetOf offset_of, uint64_t epoch, const Deadline& deadline,
+                                     int32_t phase, HostRecord* rec, int shift = 0) {
+    __shared__ int late;
+    __shared__ int timed_out;
+    if (threadIdx.x == 0) late = 0;
+    __syncthreads();
+    for (int q = threadIdx.x; q < team.size(); q += blockDim.x) {
+        WaitStatus st;
+        if constexpr (kGpuScope)
+            st = team.wait_gpu(offset_of(q), epoch, deadline);
+        else
+            st = team.wait(offset_of(q), epoch, deadline);
+        if (st != WaitStatus::kOk) late = 1;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        timed_out = late && wait_all<kGpuScope>(team, offset_of, epoch, deadline, phase, rec, shift) != WaitStatus::kOk;
+    __syncthreads();
+    return timed_out ? WaitStatus::kTimedOut : WaitStatus::kOk;
+}
+
 // A peer's datum failed its check on receipt (protocol.hpp, "Peer data"): the first one of the
 // buffer's life is recorded (claimed in device memory, so any thread of any kernel may call this;
 // only the winner writes the host-mapped record). The caller drops the datum.

@@ -100,6 +100,9 @@ __device__ RouteStatus resolve_route_status(const DispatchParams& p) {
     const HybridShape& sh = p.shape;
     const unsigned long long key = *p.ws.first_bad_route;
     *p.ws.first_bad_route = detail::kNoRouteKey;
+    // no invalid route and no sticky fault (the plan kernel's copy, sticky_seen): OK in every mode,
+    // without reading the host-mapped record (a PCIe round trip per word, on every call's critical path)
+    if (key == detail::kNoRouteKey && p.ws.state->sticky_seen == detail::kRouteOk) return RouteStatus{};
     RouteStatus bad{};
     if (key != detail::kNoRouteKey) {
         const int t = static_cast<int>(detail::route_key_token(key)), k = detail::route_key_k(key);

@@ -12,8 +12,8 @@
 //                 the bf16 partial into origin s's window, compact combine slot origin_base[s] + j.
 //                 Each block ends with a system fence. Does nothing after a timeout.
 // publish_kernel  one warp. Signals this rank's epoch into every origin's combine_flags[this rank]
-//                 (release), then one thread waits (bounded) until every holder's flag in this rank's
-//                 window reached the epoch. Host waits (SyncMode): publish only, then wait only.
+//                 (release), then waits (bounded; a lane per holder) until every holder's flag in this
+//                 rank's window reached the epoch. Host waits (SyncMode): publish only, then wait only.
 // reduce_kernel   grid 2 * num_sms, block kThreads. Work item: a RowSlice of one of this rank's
 //                 tokens. Reads the partials in this rank's window (slot out_base[d] + the token's
 //                 slot at d) in the order above (ws.clean_idx and ws.slot_of from the dispatch), the
@@ -156,11 +156,10 @@ __global__ void __launch_bounds__(kPublishThreads) publish_kernel(CombineParams<
             team.signal(s, region.combine_flag(team.rank()), epoch);
         if (p.sync_mode == kPublishOnly) return;  // the host waits, then launches the kWaitOnly half
     }
-    if (threadIdx.x != 0) return;
-    const WaitStatus st = wait_all(
+    const WaitStatus st = block_wait_all(
         team, [&](int d) { return region.combine_flag(d); }, epoch, Deadline::from_now(p.timeout_ns), kPhaseCombine,
         p.record);
-    if (st != WaitStatus::kOk) p.ws.state->timed_out = 1;
+    if (threadIdx.x == 0 && st != WaitStatus::kOk) p.ws.state->timed_out = 1;
 }
 
 // The order in which an origin adds a token's destinations (SEMANTICS.md, "Combine"): lane k < K

@@ -2,11 +2,13 @@
 // a sender writes each token once per destination rank into that rank's window; the receiver expands
 // the messages into the caller's layout. Four kernels on one stream, in this order:
 //
-// plan_kernel      grid E + R + kStatusBlocks, block kThreads. Host precondition: the workspace was
+// plan_kernel      grid plan_grid(shape, T), block kThreads. Host precondition: the workspace was
 //                  zeroed once and first_bad_route holds kNoRouteKey.
 //                  Reads this rank's topk_idx and (one thread) the host-mapped sticky word.
-//                  Writes ws.pos_in_expert, ws.expert_count (block e < E: ordered scan over tokens for
-//                  expert e), ws.slot_of, ws.dest_count (block E + d: the same for destination rank d),
+//                  Writes ws.pos_in_expert, ws.expert_count (scan e < E: ordered scan over tokens for
+//                  expert e), ws.slot_of, ws.dest_count (scan E + d: the same for destination rank d;
+//                  a scan is one warp over a shared-memory copy of the top-k table for
+//                  T * K <= kPlanStagedRoutes, else one block),
 //                  ws.first_bad_route (atomicMin of route_key), ws.state->sticky_seen. Waits on nobody.
 // send_kernel      grid 2 * num_sms, block kThreads (2 blocks per SM). Work item: a RowSlice of one
 //                  token. Reads x (+ x_scales), topk_idx / topk_weights and the plan. Writes, in every
@@ -15,15 +17,16 @@
 //                  belongs to round j / S and goes into ring slot j % S); ws.clean_idx. Each block
 //                  ends with a system fence; nothing is announced yet. A rejected host-sync call
 //                  sends nothing.
-// exchange_kernel  one block of 256 threads. Resolves the call's route status (decide_route_status),
+// exchange_kernel  one block of kExchangeThreads. Resolves the call's route status (decide_route_status),
 //                  writes count, status, the combine-slot base and the sender's largest count, and the
 //                  per-expert counts into every receiver's dispatch flag and signals its epoch
 //                  (release); then waits (bounded) for every sender's flag in this rank's window and
 //                  derives recv_count, origin_base, out_base, msg_start, counts, offsets (segment
 //                  starts), expert_base, expert_load, the number of rounds (every rank computes the
 //                  same one from every sender's largest count) and the host record's summary (M, the
-//                  first bad sender, the rounds). With host waits (SyncMode) it runs twice: publish
-//                  only, the host waits, then wait only.
+//                  first bad sender, the rounds; host-sync calls only). Each step is spread over the
+//                  block (a lane per peer, a warp per sender or expert, warp scans). With host waits
+//                  (SyncMode) it runs twice: publish only, the host waits, then wait only.
 // expand_kernel    grid 2 * num_sms, block kThreads. Work item: a RowSlice of one received message of
 //                  round p.round, (sender, slot) order. Reads this rank's window and workspace;
 //                  writes recv_x, recv_scales, recv_weights, recv_src, m_indices, ws.recv_rows and
@@ -31,9 +34,10 @@
 //                  (round 0) the padding rows' metadata (and data with zero_padding). Does nothing
 //                  after a timeout or a rejection.
 // round_kernel     one block of 32 threads, host-sync calls with more than one round only: every rank
-//                  signals (epoch << 20 | step) into every peer's round flag and waits (bounded) for
-//                  all: between expand(r - 1) and send(r) (the ring is free) and between send(r) and
-//                  expand(r) (the ring is full). Host waits: publish only, then wait only.
+//                  signals (epoch << 20 | step) into every peer's round flag and waits (bounded, a
+//                  lane per peer) for all: between expand(r - 1) and send(r) (the ring is free) and
+//                  between send(r) and expand(r) (the ring is full). Host waits: publish only, then
+//                  wait only.
 // Peer data (counts, per-expert counts, positions, expert ids, source tokens) is checked where it is
 // first read (exchange, expand): a bad value is dropped and recorded as a peer fault naming the sender,
 // so no row index a peer wrote can address outside the outputs.
@@ -52,7 +56,7 @@
 namespace elasticep::kernels {
 
 constexpr int kStatusBlocks = 16;  // plan blocks that look for the first invalid route
-constexpr int kExchangeThreads = 256;
+constexpr int kExchangeThreads = 512;
 
 // topk_idx[t][k] of this rank's input, int32 or int64 (kIdx64)
 template <bool kIdx64, class Params>
@@ -61,52 +65,76 @@ __device__ __forceinline__ int64_t topk_at(const Params& p, int t, int k) {
     return static_cast<const Index*>(p.topk_idx)[t * p.topk_idx_row_stride + k];
 }
 
-template <class Team, bool kIdx64>
-__global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams<Team> p) {
+// The plan's work split, a function of the call's token count (the launcher and the kernel agree):
+// with few routes (decode: T * K <= kPlanStagedRoutes) each block first copies the whole top-k
+// table into shared memory (a few loads per thread, all in flight at once), then one warp makes each
+// ordered scan from there (kWarps scans per block: E + R scans in a few blocks instead of E + R
+// blocks of mostly idle threads, and no global load latency per step); with more, a whole block
+// makes each scan (block_scan) from global memory. Status blocks: one warp per token, at most
+// kStatusBlocks of them.
+constexpr int kPlanStagedRoutes = 4096;
+
+struct PlanGrid {
+    bool warp_scan;
+    int scan_blocks, status_blocks;
+    __host__ __device__ int blocks() const { return scan_blocks + status_blocks; }
+};
+
+__host__ __device__ inline PlanGrid plan_grid(const Shape& sh, int tokens) {
+    PlanGrid g{};
+    const int scans = sh.num_experts + sh.num_ranks;
+    g.warp_scan = int64_t{tokens} * sh.num_topk <= kPlanStagedRoutes;
+    g.scan_blocks = g.warp_scan ? (scans + kWarps - 1) / kWarps : scans;
+    const int status = (tokens + kWarps - 1) / kWarps;
+    g.status_blocks = status < 1 ? 1 : status > kStatusBlocks ? kStatusBlocks : status;
+    return g;
+}
+
+// The call's top-k table in shared memory, cleaned to ids in [0, E) or -1 (the same hits as the raw
+// ids): a few loads per thread, all in flight at once. The whole block calls (barrier after).
+template <bool kIdx64, class Team>
+__device__ __forceinline__ void stage_routes(const DispatchParams<Team>& p, int32_t* routes) {
     const Shape& sh = p.shape;
-    const int b = blockIdx.x;
-    const int t_count = p.num_tokens;
-    if (b < sh.num_experts + sh.num_ranks) {
-        const bool by_expert = b < sh.num_experts;
-        const int e = b;
-        const int d = b - sh.num_experts;
-        int running = 0;
-        for (int base = 0; base < t_count; base += kThreads) {
-            const int t = base + threadIdx.x;
-            int hit_k = -1;  // the smallest k of the token that hits (a valid route: a repeat has a smaller twin)
-            if (t < t_count) {
-#pragma unroll 4
-                for (int k = sh.num_topk - 1; k >= 0; --k) {  // no early exit: the loads overlap
-                    const int64_t v = topk_at<kIdx64>(p, t, k);
-                    const bool hit =
-                        by_expert ? v == e : (v >= 0 && v < sh.num_experts && v / sh.num_local_experts == d);
-                    if (hit) hit_k = k;
-                }
-            }
-            const int pos = block_scan(hit_k >= 0, running);
-            if (hit_k >= 0) {
-                if (by_expert)
-                    p.ws.pos_in_expert[t * sh.num_topk + hit_k] = pos;
-                else
-                    p.ws.slot_of[t * sh.num_topk + hit_k] = pos;
-            }
-        }
-        if (threadIdx.x == 0) {
-            if (by_expert)
-                p.ws.expert_count[e] = running;
-            else
-                p.ws.dest_count[d] = running;
-        }
-        return;
+    const int n = p.num_tokens * sh.num_topk;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int64_t v = topk_at<kIdx64>(p, i / sh.num_topk, i % sh.num_topk);
+        routes[i] = v >= 0 && v < sh.num_experts ? static_cast<int32_t>(v) : -1;
     }
-    // status blocks: the first invalid route (t, k) in token-major order, as a global minimum.
-    // One thread copies the sticky word from host-mapped memory for the send kernel: reads of
-    // mapped memory cross PCIe one at a time, so no wide kernel may read it.
-    if (b == sh.num_experts + sh.num_ranks && threadIdx.x == 0)
-        p.ws.state->sticky_seen = reinterpret_cast<volatile int32_t*>(&p.record->sticky.kind)[0];
+    __syncthreads();
+}
+
+// One warp's ordered scan over the staged table: scan `target` < E is expert e = target, else
+// destination rank d = target - E. store(t, k, pos) gets the position of every token t that hits
+// it (at its smallest hitting k) among the earlier ones; returns the number of hits (every lane).
+template <class Store>
+__device__ __forceinline__ int warp_scan_routes(const int32_t* routes, const Shape& sh, int t_count, int target,
+                                                Store&& store) {
     const int lane = lane_id();
-    const int first_warp = (b - sh.num_experts - sh.num_ranks) * kWarps + warp_id();
-    for (int t = first_warp; t < t_count; t += kStatusBlocks * kWarps) {
+    const bool by_expert = target < sh.num_experts;
+    const int e = target, d = target - sh.num_experts;
+    int running = 0;
+    for (int base = 0; base < t_count; base += kWarpSize) {
+        const int t = base + lane;
+        int hit_k = -1;
+        if (t < t_count)
+            for (int k = sh.num_topk - 1; k >= 0; --k) {
+                const int32_t v = routes[t * sh.num_topk + k];
+                if (by_expert ? v == e : v >= 0 && v / sh.num_local_experts == d) hit_k = k;
+            }
+        const unsigned hits = __ballot_sync(kFullMask, hit_k >= 0);
+        if (hit_k >= 0) store(t, hit_k, running + __popc(hits & lanes_below(lane)));
+        running += __popc(hits);
+    }
+    return running;
+}
+
+// The first invalid route (t, k) of the call in token-major order, as a global minimum
+// (ws.first_bad_route): warp w of `warps` takes tokens w, w + warps, ...
+template <bool kIdx64, class Team>
+__device__ __forceinline__ void scan_route_status(const DispatchParams<Team>& p, int first_warp, int warps) {
+    const Shape& sh = p.shape;
+    const int lane = lane_id();
+    for (int t = first_warp; t < p.num_tokens; t += warps) {
         const bool active = lane < sh.num_topk;
         const int64_t v = active ? topk_at<kIdx64>(p, t, lane) : -1;
         int fault, dup;
@@ -114,6 +142,74 @@ __global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams<Team> p) 
         const unsigned bad = __ballot_sync(kFullMask, fault != detail::kRouteOk);
         if (bad && lane == 0) atomicMin(p.ws.first_bad_route, detail::route_key(t, __ffs(bad) - 1));
     }
+}
+
+// One thread copies the sticky word from host-mapped memory into the workspace (sticky_seen), for
+// the send kernel and the exchange: reads of mapped memory cross PCIe one at a time, so no wide
+// kernel may read it.
+template <class Team>
+__device__ __forceinline__ void copy_sticky_word(const DispatchParams<Team>& p) {
+    p.ws.state->sticky_seen = reinterpret_cast<volatile int32_t*>(&p.record->sticky.kind)[0];
+}
+
+template <class Team, bool kIdx64>
+__global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams<Team> p) {
+    const Shape& sh = p.shape;
+    const int b = blockIdx.x;
+    const int t_count = p.num_tokens;
+    const PlanGrid grid = plan_grid(sh, t_count);
+    const int lane = lane_id();
+    // scan `target` (< E: expert e = target; else destination rank d = target - E): the position of
+    // every token that hits it among the earlier ones, in token order, and the number of hits
+    auto hit_of = [&](int t, bool by_expert, int e, int d) {
+        int hit_k = -1;  // the smallest k of the token that hits (a valid route: a repeat has a smaller twin)
+#pragma unroll 4
+        for (int k = sh.num_topk - 1; k >= 0; --k) {  // no early exit: the loads overlap
+            const int64_t v = topk_at<kIdx64>(p, t, k);
+            const bool hit = by_expert ? v == e : (v >= 0 && v < sh.num_experts && v / sh.num_local_experts == d);
+            if (hit) hit_k = k;
+        }
+        return hit_k;
+    };
+    auto store = [&](bool by_expert, int t, int hit_k, int pos) {
+        if (by_expert)
+            p.ws.pos_in_expert[t * sh.num_topk + hit_k] = pos;
+        else
+            p.ws.slot_of[t * sh.num_topk + hit_k] = pos;
+    };
+    auto store_count = [&](bool by_expert, int e, int d, int count) {
+        if (by_expert)
+            p.ws.expert_count[e] = count;
+        else
+            p.ws.dest_count[d] = count;
+    };
+    if (b < grid.scan_blocks) {
+        if (grid.warp_scan) {
+            __shared__ int32_t routes[kPlanStagedRoutes];
+            stage_routes<kIdx64>(p, routes);
+            const int target = b * kWarps + warp_id();  // one warp per scan: no block barrier below
+            if (target >= sh.num_experts + sh.num_ranks) return;
+            const bool by_expert = target < sh.num_experts;
+            const int count = warp_scan_routes(routes, sh, t_count, target,
+                                               [&](int t, int k, int pos) { store(by_expert, t, k, pos); });
+            if (lane == 0) store_count(by_expert, target, target - sh.num_experts, count);
+            return;
+        }
+        const bool by_expert = b < sh.num_experts;
+        const int e = b, d = b - sh.num_experts;
+        int running = 0;
+        for (int base = 0; base < t_count; base += kThreads) {
+            const int t = base + threadIdx.x;
+            const int hit_k = t < t_count ? hit_of(t, by_expert, e, d) : -1;
+            const int pos = block_scan(hit_k >= 0, running);
+            if (hit_k >= 0) store(by_expert, t, hit_k, pos);
+        }
+        if (threadIdx.x == 0) store_count(by_expert, e, d, running);
+        return;
+    }
+    // status blocks
+    if (b == grid.scan_blocks && threadIdx.x == 0) copy_sticky_word(p);
+    scan_route_status<kIdx64>(p, (b - grid.scan_blocks) * kWarps + warp_id(), grid.status_blocks * kWarps);
 }
 
 // The call's route status, resolved once by the exchange (one thread): this call's first invalid
@@ -162,11 +258,15 @@ __device__ RouteStatus resolve_route_status_of(const DispatchParams<Team>& p, un
     return d.publish;
 }
 
-// The plan kernel's first invalid route (ws.first_bad_route, reset here for the next call).
+// The plan kernel's first invalid route (ws.first_bad_route, reset here for the next call). With
+// no invalid route and no sticky fault (the plan kernel's copy of the sticky word, sticky_seen) the
+// status is OK whatever the mode, and the host-mapped record is not read: each of its words is a
+// PCIe round trip on the critical path of every call.
 template <bool kIdx64, class Team>
 __device__ RouteStatus resolve_route_status(const DispatchParams<Team>& p) {
     const unsigned long long key = *p.ws.first_bad_route;
     *p.ws.first_bad_route = detail::kNoRouteKey;
+    if (key == detail::kNoRouteKey && p.ws.state->sticky_seen == detail::kRouteOk) return RouteStatus{};
     return resolve_route_status_of<kIdx64>(p, key);
 }
 
@@ -347,37 +447,35 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams<Team> 
 template <class Team, bool kIdx64>
 __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchParams<Team> p) {
     static_assert(kMaxLocalExperts <= 1024, "segment sizes are scanned in one block's shared memory");
+    static_assert(kExchangeThreads % kWarpSize == 0 && kExchangeThreads >= kWarpSize, "whole warps");
     static_assert(Team::kLoadStore, "the exchange writes the counts into its peers' windows");
+    // Every step is spread over the block (a thread per peer, a warp per sender or expert, warp-0
+    // scans in shared memory): the kernel sits on the critical path of every call, and one thread
+    // walking R or E_local entries of global memory pays one load latency per entry.
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     const Team& team = p.team;
     const int rank = team.rank();
-    __shared__ bool ok;
+    const int lane = lane_id(), warp = warp_id();
+    constexpr int kExchangeWarps = kExchangeThreads / kWarpSize;
     const uint64_t epoch = *p.ws.epoch + 1;
     const int parity = static_cast<int>(epoch & 1);
     uint8_t* mine = team.self();
+    __shared__ int32_t scan[kMaxRanks + 1];  // per-rank values, then their exclusive prefix sums
     if (p.sync_mode != kWaitOnly) {
-        __shared__ int64_t max_out;
-        if (threadIdx.x == 0) {
-            *p.ws.route_status = resolve_route_status<kIdx64>(p);
-            // this rank's compact combine slots: its messages to holder d start at out_base[d]
-            int32_t at = 0, most = 0;
-            for (int d = 0; d < sh.num_ranks; ++d) {
-                const int32_t c = p.ws.dest_count[d];
-                p.ws.out_base[d] = at;
-                at += c;
-                most = c > most ? c : most;
-            }
-            max_out = most;
-        }
-        __syncthreads();
+        __shared__ int32_t max_out;
+        if (threadIdx.x == 0) *p.ws.route_status = resolve_route_status<kIdx64>(p);
+        for (int d = threadIdx.x; d < sh.num_ranks; d += blockDim.x) scan[d] = p.ws.dest_count[d];
+        // this rank's compact combine slots: its messages to holder d start at out_base[d]
+        block_exclusive_scan(scan, sh.num_ranks, &max_out);
         const RouteStatus st = *p.ws.route_status;
         const bool reject = st.any();
         for (int d = threadIdx.x; d < sh.num_ranks; d += blockDim.x) {
+            p.ws.out_base[d] = scan[d];
             DispatchFlag* f = RegionLayout::at<DispatchFlag>(team.window(d), region.dispatch_flag(rank, parity));
             f->count = reject ? 0 : p.ws.dest_count[d];
             f->status = st;
-            f->out_base = p.ws.out_base[d];
+            f->out_base = scan[d];
             f->max_count = reject ? 0 : max_out;
         }
         for (int i = threadIdx.x; i < sh.num_ranks * sh.num_local_experts; i += blockDim.x) {
@@ -385,56 +483,70 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
             RegionLayout::at<int32_t>(team.window(d), region.expert_counts_row(rank, parity))[l] =
                 reject ? 0 : p.ws.expert_count[d * sh.num_local_experts + l];
         }
-        team.fence();
+        // one system fence for the block (cumulative: after a barrier with the writers), then every
+        // thread signals its share of the receivers; each signal releases the block's writes above
         __syncthreads();
-        // every thread signals its share of the receivers; each signal releases the block's writes
-        // above (fenced, then observed through the barrier)
+        if (threadIdx.x == 0) team.fence();
+        __syncthreads();
         for (int d = threadIdx.x; d < sh.num_ranks; d += blockDim.x)
             team.signal(d, region.dispatch_flag(rank, parity), epoch);
         if (p.sync_mode == kPublishOnly) return;  // the host waits, then launches the kWaitOnly half
     }
+    // with kWaitOnly the host has already seen every flag: this returns at once
+    const bool ok = block_wait_all(
+                        team, [&](int s) { return region.dispatch_flag(s, parity); }, epoch,
+                        Deadline::from_now(p.timeout_ns), kPhaseDispatch, p.record) == WaitStatus::kOk;
     if (threadIdx.x == 0) {
-        // with kWaitOnly the host has already seen every flag: this returns at once
-        ok = wait_all(
-                 team, [&](int s) { return region.dispatch_flag(s, parity); }, epoch, Deadline::from_now(p.timeout_ns),
-                 kPhaseDispatch, p.record) == WaitStatus::kOk;
         *p.ws.epoch = epoch;
         p.ws.state->timed_out = ok ? 0 : 1;
     }
-    __syncthreads();
     if (!ok) return;
     auto flag_of = [&](int s) { return RegionLayout::at<DispatchFlag>(mine, region.dispatch_flag(s, parity)); };
-    auto expert_counts_of = [&](int s) {
-        return reinterpret_cast<volatile int32_t*>(
-            RegionLayout::at<int32_t>(mine, region.expert_counts_row(s, parity)));
-    };
-    // Received messages per sender, checked on receipt: a count outside [0, C], a per-expert count
-    // outside [0, count], per-expert counts summing above count * min(K, E_local) (a token carries
-    // at most that many routes to one rank), or a combine-slot range beyond the sender's
-    // C * min(K, R) slots drop the sender (-1 here) and record a peer fault.
+    auto expert_counts_of = [&](int s) { return RegionLayout::at<int32_t>(mine, region.expert_counts_row(s, parity)); };
+    // Received messages per sender (a warp each, its lanes over the per-expert counts), checked on
+    // receipt: a count outside [0, C], a per-expert count outside [0, count], per-expert counts
+    // summing above count * min(K, E_local) (a token carries at most that many routes to one rank),
+    // or a combine-slot range beyond the sender's C * min(K, R) slots drop the sender (-1 here) and
+    // record a peer fault. Peer data is read through L2 (__ldcg) after the acquire above.
     __shared__ int32_t recv_count[kMaxRanks];
-    __shared__ int64_t most_in;  // the largest count any sender sends to any rank: the call's rounds
-    if (threadIdx.x == 0) most_in = 0;
+    __shared__ unsigned long long most_in;  // the largest count any sender sends to any rank: the rounds
+    __shared__ int first_bad_sender;
+    if (threadIdx.x == 0) {
+        most_in = 0;
+        first_bad_sender = sh.num_ranks;
+    }
     __syncthreads();
     const int64_t routes_per_token = sh.num_topk < sh.num_local_experts ? sh.num_topk : sh.num_local_experts;
     const int64_t slot_rows = sh.combine_rows();
-    for (int s = threadIdx.x; s < sh.num_ranks; s += blockDim.x) {
-        const int64_t count = reinterpret_cast<volatile int64_t*>(&flag_of(s)->count)[0];
-        const int64_t base = reinterpret_cast<volatile int64_t*>(&flag_of(s)->out_base)[0];
-        const int64_t most = reinterpret_cast<volatile int64_t*>(&flag_of(s)->max_count)[0];
+    for (int s = warp; s < sh.num_ranks; s += kExchangeWarps) {
+        const DispatchFlag* f = flag_of(s);
+        const int64_t count = __ldcg(&f->count);
+        const int32_t kind = __ldcg(&f->status.kind);
         const bool count_ok = count >= 0 && count <= sh.capacity;
-        // every per-expert count is loaded (no data-dependent exit, so the loads overlap)
-        const int32_t* counts_row = RegionLayout::at<int32_t>(mine, region.expert_counts_row(s, parity));
+        const int32_t* counts_row = expert_counts_of(s);
         int64_t sum = 0, bad_count = 0;
-        bool each_ok = true;
+        int bad_l = kMaxLocalExperts;  // this lane's first per-expert count outside [0, count]
 #pragma unroll 4
-        for (int l = 0; l < sh.num_local_experts; ++l) {
+        for (int l = lane; l < sh.num_local_experts; l += kWarpSize) {
             const int64_t c = __ldcg(counts_row + l);
             sum += c;
             const bool ok_c = c >= 0 && c <= count;
-            bad_count = each_ok && !ok_c ? c : bad_count;
-            each_ok = each_ok && ok_c;
+            if (!ok_c && bad_l == kMaxLocalExperts) {
+                bad_l = l;
+                bad_count = c;
+            }
         }
+#pragma unroll
+        for (int o = kWarpSize / 2; o > 0; o >>= 1) {
+            sum += __shfl_xor_sync(kFullMask, sum, o);
+            bad_l = min(bad_l, __shfl_xor_sync(kFullMask, bad_l, o));
+        }
+        const bool each_ok = bad_l == kMaxLocalExperts;
+        // the first bad per-expert count, from the lane that holds it (l % 32 == that lane)
+        bad_count = __shfl_sync(kFullMask, bad_count, bad_l % kWarpSize);
+        if (lane != 0) continue;
+        const int64_t base = __ldcg(&f->out_base);
+        const int64_t most = __ldcg(&f->max_count);
         const bool sum_ok = sum <= count * routes_per_token;
         const bool slots_ok = base >= 0 && base <= slot_rows && count <= slot_rows - base;
         if (!count_ok)
@@ -450,45 +562,52 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
         recv_count[s] = keep ? static_cast<int32_t>(count) : -1;
         p.ws.recv_count[s] = recv_count[s];
         p.ws.origin_base[s] = keep ? static_cast<int32_t>(base) : 0;
+        if (kind != detail::kRouteOk) atomicMin(&first_bad_sender, s);
         // the rounds need every sender's largest count, to any rank (clamped: C bounds every count)
-        atomicMax(reinterpret_cast<unsigned long long*>(&most_in),
-                  static_cast<unsigned long long>(most < 0             ? 0
-                                                  : most > sh.capacity ? sh.capacity
-                                                                       : most));
+        atomicMax(&most_in, static_cast<unsigned long long>(most < 0 ? 0 : most > sh.capacity ? sh.capacity : most));
     }
     __syncthreads();
-    __shared__ int32_t seg[kMaxLocalExperts];  // rounded segment sizes
-    for (int l = threadIdx.x; l < sh.num_local_experts; l += blockDim.x) {
-        int32_t total = 0;
-        for (int s = 0; s < sh.num_ranks; ++s) {
-            p.ws.expert_base[s * sh.num_local_experts + l] = total;
-            if (recv_count[s] >= 0) total += expert_counts_of(s)[l];
+    // per local expert (a warp each, its lanes over the senders): where each sender's share of the
+    // expert starts (a warp scan over the senders, 32 at a time), the expert's total, its segment
+    __shared__ int32_t seg[kMaxLocalExperts + 1];  // rounded segment sizes, then the segment starts
+    for (int l = warp; l < sh.num_local_experts; l += kExchangeWarps) {
+        int32_t carry = 0;
+        for (int s0 = 0; s0 < sh.num_ranks; s0 += kWarpSize) {
+            const int s = s0 + lane;
+            const int32_t c = s < sh.num_ranks && recv_count[s] >= 0 ? __ldcg(expert_counts_of(s) + l) : 0;
+            int32_t x = c;
+#pragma unroll
+            for (int o = 1; o < kWarpSize; o <<= 1) {
+                const int32_t y = __shfl_up_sync(kFullMask, x, o);
+                if (lane >= o) x += y;
+            }
+            if (s < sh.num_ranks) p.ws.expert_base[s * sh.num_local_experts + l] = carry + x - c;
+            carry += __shfl_sync(kFullMask, x, kWarpSize - 1);
         }
-        p.ws.counts[l] = total;
-        p.ws.expert_load[l] += total;
-        seg[l] = p.expert_alignment > 0 ? static_cast<int32_t>(round_up(total, p.expert_alignment)) : 0;
+        if (lane == 0) {
+            p.ws.counts[l] = carry;
+            p.ws.expert_load[l] += carry;
+            seg[l] = p.expert_alignment > 0 ? static_cast<int32_t>(round_up(carry, p.expert_alignment)) : 0;
+        }
     }
-    __syncthreads();
+    // message starts per sender and segment starts per expert
+    for (int s = threadIdx.x; s < sh.num_ranks; s += blockDim.x) scan[s] = recv_count[s] > 0 ? recv_count[s] : 0;
+    block_exclusive_scan(scan, sh.num_ranks);
+    block_exclusive_scan(seg, sh.num_local_experts);
+    for (int s = threadIdx.x; s <= sh.num_ranks; s += blockDim.x) p.ws.msg_start[s] = scan[s];
+    for (int l = threadIdx.x; l <= sh.num_local_experts; l += blockDim.x) p.ws.offsets[l] = seg[l];
     if (threadIdx.x == 0) {
-        int32_t received = 0;
-        for (int s = 0; s < sh.num_ranks; ++s) {
-            p.ws.msg_start[s] = received;
-            if (recv_count[s] > 0) received += recv_count[s];
-        }
-        p.ws.msg_start[sh.num_ranks] = received;
-        int32_t at = 0;
-        p.ws.offsets[0] = 0;
-        for (int l = 0; l < sh.num_local_experts; ++l) {
-            at += seg[l];
-            p.ws.offsets[l + 1] = at;
-        }
-        int bad_sender = -1;
-        for (int s = 0; s < sh.num_ranks && bad_sender < 0; ++s)
-            if (reinterpret_cast<volatile int32_t*>(&flag_of(s)->status.kind)[0] != detail::kRouteOk) bad_sender = s;
-        const int32_t rounds = most_in > region.ring ? static_cast<int32_t>(ceil_div(most_in, region.ring)) : 1;
+        const int32_t at = seg[sh.num_local_experts];
+        const int bad_sender = first_bad_sender < sh.num_ranks ? first_bad_sender : -1;
+        const int32_t rounds = most_in > static_cast<unsigned long long>(region.ring)
+                                   ? static_cast<int32_t>(ceil_div(static_cast<int64_t>(most_in), region.ring))
+                                   : 1;
         p.ws.state->rejected = bad_sender >= 0 ? 1 : 0;
         p.ws.state->num_rows = at;
         p.ws.state->num_rounds = rounds;
+        // the host reads the summary after a host-sync call only (graph mode publishes no route
+        // status, so no sender is bad there): no mapped-memory writes and system fence otherwise
+        if (!p.host_sync) return;
         volatile HostRecord* r = p.record;
         r->num_rows = at;
         r->bad_sender = bad_sender;
@@ -525,11 +644,10 @@ __global__ void __launch_bounds__(kWarpSize) round_kernel(DispatchParams<Team> p
             team.signal(q, region.round_flag(team.rank()), value);
         if (p.sync_mode == kPublishOnly) return;
     }
-    if (threadIdx.x != 0) return;
-    const WaitStatus st = wait_all(
+    const WaitStatus st = block_wait_all(
         team, [&](int q) { return region.round_flag(q); }, value, Deadline::from_now(p.timeout_ns), kPhaseDispatch,
         p.record, kRoundShift);
-    if (st != WaitStatus::kOk) p.ws.state->timed_out = 1;
+    if (threadIdx.x == 0 && st != WaitStatus::kOk) p.ws.state->timed_out = 1;
 }
 
 // The received messages of this rank, in (sender, slot) order: message i is slot i - start[s] of
@@ -561,17 +679,12 @@ __device__ __forceinline__ int64_t message_slot(const int32_t* start, const Shap
 // exchange's recv_count and returns the number of messages of the round.
 __device__ __forceinline__ int load_round_starts(int32_t* start, const Shape& sh, const int32_t* recv_count, int round,
                                                  int ring) {
-    if (threadIdx.x == 0) {
-        int32_t at = 0;
-        const int64_t skip = int64_t{round} * ring;
-        for (int s = 0; s < sh.num_ranks; ++s) {
-            start[s] = at;
-            const int64_t left = int64_t{recv_count[s]} - skip;
-            at += static_cast<int32_t>(left <= 0 ? 0 : left < ring ? left : ring);
-        }
-        start[sh.num_ranks] = at;
+    const int64_t skip = int64_t{round} * ring;
+    for (int s = threadIdx.x; s < sh.num_ranks; s += blockDim.x) {  // the loads in parallel, then one scan
+        const int64_t left = int64_t{recv_count[s]} - skip;
+        start[s] = static_cast<int32_t>(left <= 0 ? 0 : left < ring ? left : ring);
     }
-    __syncthreads();
+    block_exclusive_scan(start, sh.num_ranks);
     return start[sh.num_ranks];
 }
 
