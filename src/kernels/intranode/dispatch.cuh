@@ -567,27 +567,52 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
         atomicMax(&most_in, static_cast<unsigned long long>(most < 0 ? 0 : most > sh.capacity ? sh.capacity : most));
     }
     __syncthreads();
-    // per local expert (a warp each, its lanes over the senders): where each sender's share of the
-    // expert starts (a warp scan over the senders, 32 at a time), the expert's total, its segment
+    // per local expert: where each sender's share of the expert starts (a prefix over the senders),
+    // the expert's total, its segment. Up to kThreadPerExpertRanks senders a thread takes an expert
+    // and loads its R counts kLoadsInFlight at a time; with more senders a warp takes an expert, its
+    // lanes over the senders (a warp scan, 32 senders at a time).
     __shared__ int32_t seg[kMaxLocalExperts + 1];  // rounded segment sizes, then the segment starts
-    for (int l = warp; l < sh.num_local_experts; l += kExchangeWarps) {
-        int32_t carry = 0;
-        for (int s0 = 0; s0 < sh.num_ranks; s0 += kWarpSize) {
-            const int s = s0 + lane;
-            const int32_t c = s < sh.num_ranks && recv_count[s] >= 0 ? __ldcg(expert_counts_of(s) + l) : 0;
-            int32_t x = c;
+    auto finish_expert = [&](int l, int32_t total) {
+        p.ws.counts[l] = total;
+        p.ws.expert_load[l] += total;
+        seg[l] = p.expert_alignment > 0 ? static_cast<int32_t>(round_up(total, p.expert_alignment)) : 0;
+    };
+    constexpr int kThreadPerExpertRanks = 64, kLoadsInFlight = 8;
+    if (sh.num_ranks <= kThreadPerExpertRanks) {
+        for (int l = threadIdx.x; l < sh.num_local_experts; l += blockDim.x) {
+            int32_t total = 0;
+            for (int s0 = 0; s0 < sh.num_ranks; s0 += kLoadsInFlight) {
+                int32_t c[kLoadsInFlight];
 #pragma unroll
-            for (int o = 1; o < kWarpSize; o <<= 1) {
-                const int32_t y = __shfl_up_sync(kFullMask, x, o);
-                if (lane >= o) x += y;
+                for (int u = 0; u < kLoadsInFlight; ++u) {
+                    const int s = s0 + u;
+                    c[u] = s < sh.num_ranks && recv_count[s] >= 0 ? __ldcg(expert_counts_of(s) + l) : 0;
+                }
+#pragma unroll
+                for (int u = 0; u < kLoadsInFlight; ++u)
+                    if (s0 + u < sh.num_ranks) {
+                        p.ws.expert_base[(s0 + u) * sh.num_local_experts + l] = total;
+                        total += c[u];
+                    }
             }
-            if (s < sh.num_ranks) p.ws.expert_base[s * sh.num_local_experts + l] = carry + x - c;
-            carry += __shfl_sync(kFullMask, x, kWarpSize - 1);
+            finish_expert(l, total);
         }
-        if (lane == 0) {
-            p.ws.counts[l] = carry;
-            p.ws.expert_load[l] += carry;
-            seg[l] = p.expert_alignment > 0 ? static_cast<int32_t>(round_up(carry, p.expert_alignment)) : 0;
+    } else {
+        for (int l = warp; l < sh.num_local_experts; l += kExchangeWarps) {
+            int32_t carry = 0;
+            for (int s0 = 0; s0 < sh.num_ranks; s0 += kWarpSize) {
+                const int s = s0 + lane;
+                const int32_t c = s < sh.num_ranks && recv_count[s] >= 0 ? __ldcg(expert_counts_of(s) + l) : 0;
+                int32_t x = c;
+#pragma unroll
+                for (int o = 1; o < kWarpSize; o <<= 1) {
+                    const int32_t y = __shfl_up_sync(kFullMask, x, o);
+                    if (lane >= o) x += y;
+                }
+                if (s < sh.num_ranks) p.ws.expert_base[s * sh.num_local_experts + l] = carry + x - c;
+                carry += __shfl_sync(kFullMask, x, kWarpSize - 1);
+            }
+            if (lane == 0) finish_expert(l, carry);
         }
     }
     // message starts per sender and segment starts per expert
