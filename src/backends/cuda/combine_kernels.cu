@@ -1,5 +1,6 @@
 // The combine kernels' instantiations and launchers (kernel_launch.hpp).
 #include "backends/cuda/kernel_launch.hpp"
+#include "backends/cuda/programmatic_launch.hpp"
 #include "kernels/common/cuda_check.hpp"
 #include "kernels/intranode/combine.cuh"
 
@@ -9,19 +10,22 @@ using kernels::BoolChoice;
 using kernels::with_constants;
 
 void launch_partial(const CombineParams& p, bool weighted, int grid, cudaStream_t stream) {
-    with_constants([&](auto w) { kernels::partial_kernel<Team, w()><<<grid, kernels::kThreads, 0, stream>>>(p); },
-                   BoolChoice{weighted});
+    with_constants(
+        [&](auto w) { launch_programmatic(kernels::partial_kernel<Team, w()>, grid, kernels::kThreads, stream, p); },
+        BoolChoice{weighted});
     ELASTICEP_CUDA_CHECK_LAUNCH();
 }
 
 void launch_publish(const CombineParams& p, cudaStream_t stream) {
-    kernels::publish_kernel<Team><<<1, kernels::kPublishThreads, 0, stream>>>(p);
+    launch_programmatic(kernels::publish_kernel<Team>, 1, kernels::kPublishThreads, stream, p);
     ELASTICEP_CUDA_CHECK_LAUNCH();
 }
 
 void launch_reduce(const CombineParams& p, bool bias, bool nodes, int grid, cudaStream_t stream) {
     with_constants(
-        [&](auto b, auto n) { kernels::reduce_kernel<Team, b(), n()><<<grid, kernels::kThreads, 0, stream>>>(p); },
+        [&](auto b, auto n) {
+            launch_programmatic(kernels::reduce_kernel<Team, b(), n()>, grid, kernels::kThreads, stream, p);
+        },
         BoolChoice{bias}, BoolChoice{nodes});
     ELASTICEP_CUDA_CHECK_LAUNCH();
 }

@@ -69,6 +69,25 @@ __device__ __forceinline__ int block_scan(bool flag, int& running) {
     return prefix;
 }
 
+// Programmatic dependent launch (sm_90+; opt-in, backends/cuda/programmatic_launch.hpp). A kernel
+// launched with programmatic stream serialization may be scheduled before the previous kernel of its stream
+// has finished: wait_for_previous_grid() returns once that grid has completed and its writes are
+// visible, so every staged kernel calls it before anything else (a no-op for a normal launch).
+// allow_next_grid() lets the next kernel of the stream be scheduled now (it still waits in
+// wait_for_previous_grid); only kernels that wait on no peer call it, so a kernel that spins on a
+// peer never has its successor's blocks holding SMs.
+__device__ __forceinline__ void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Exclusive prefix sums of a[0, n) in place in shared memory, a[n] = the total (a holds n + 1
 // entries); `most` (optional) gets the largest element. Warp 0 scans 32 entries per step, so n
 // entries cost n / 32 shuffle scans instead of n dependent steps of one thread. The whole block

@@ -69,6 +69,8 @@ constexpr int kBatch = 4;
 
 template <class Team, bool kWeighted>
 __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams<Team> p) {
+    wait_for_previous_grid();
+    allow_next_grid();  // waits on no peer; the one-warp publish kernel may be scheduled
     static_assert(Team::kLoadStore, "the partial kernel stores into the origins' windows");
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
@@ -144,6 +146,7 @@ __global__ void __launch_bounds__(kThreads, 2) partial_kernel(CombineParams<Team
 
 template <class Team>
 __global__ void __launch_bounds__(kPublishThreads) publish_kernel(CombineParams<Team> p) {
+    wait_for_previous_grid();
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     const Team& team = p.team;
@@ -220,6 +223,7 @@ __device__ __forceinline__ void add_partial(float (&acc)[8], float (&q)[8], cons
 
 template <class Team, bool kBias, bool kNodes = false>
 __global__ void __launch_bounds__(kThreads, 2) reduce_kernel(CombineParams<Team> p) {
+    wait_for_previous_grid();
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     if (p.ws.state->timed_out != 0) return;

@@ -154,6 +154,8 @@ __device__ __forceinline__ void copy_sticky_word(const DispatchParams<Team>& p) 
 
 template <class Team, bool kIdx64>
 __global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams<Team> p) {
+    wait_for_previous_grid();
+    allow_next_grid();  // waits on no peer; the send kernel may be scheduled
     const Shape& sh = p.shape;
     const int b = blockIdx.x;
     const int t_count = p.num_tokens;
@@ -272,6 +274,8 @@ __device__ RouteStatus resolve_route_status(const DispatchParams<Team>& p) {
 
 template <class Team, SendPayload kPayload, bool kIdx64>
 __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams<Team> p) {
+    wait_for_previous_grid();
+    allow_next_grid();  // waits on no peer; the one-block exchange may be scheduled
     constexpr bool kFP8 = payload_is_fp8(kPayload);
     constexpr bool kFused = payload_quantizes(kPayload);  // bf16 in, fp8 + scales out
     constexpr bool kF32Scales = payload_f32_scales(kPayload);
@@ -446,6 +450,7 @@ __global__ void __launch_bounds__(kThreads, 2) send_kernel(DispatchParams<Team> 
 
 template <class Team, bool kIdx64>
 __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchParams<Team> p) {
+    wait_for_previous_grid();
     static_assert(kMaxLocalExperts <= 1024, "segment sizes are scanned in one block's shared memory");
     static_assert(kExchangeThreads % kWarpSize == 0 && kExchangeThreads >= kWarpSize, "whole warps");
     static_assert(Team::kLoadStore, "the exchange writes the counts into its peers' windows");
@@ -659,6 +664,7 @@ constexpr int kRoundShift = 20;  // round flags hold (epoch << kRoundShift) | st
 
 template <class Team>
 __global__ void __launch_bounds__(kWarpSize) round_kernel(DispatchParams<Team> p) {
+    wait_for_previous_grid();
     const Team& team = p.team;
     const RegionLayout& region = p.region;
     if (p.ws.state->timed_out != 0) return;
@@ -715,6 +721,7 @@ __device__ __forceinline__ int load_round_starts(int32_t* start, const Shape& sh
 
 template <class Team, bool kFP8, bool kContiguous>
 __global__ void __launch_bounds__(kThreads, 2) expand_kernel(DispatchParams<Team> p) {
+    wait_for_previous_grid();
     const Shape& sh = p.shape;
     const RegionLayout& region = p.region;
     __shared__ int64_t expand_rows[kWarps][kMaxTopk];
