@@ -29,6 +29,7 @@
 
 #include <type_traits>
 
+#include "kernels/common/routes.cuh"
 #include "kernels/hybrid/params.cuh"
 
 namespace elasticep::kernels::hybrid {
@@ -38,12 +39,6 @@ __global__ void __launch_bounds__(32) wait_kernel(Params p, WaitSpec w) {
     if (threadIdx.x != 0 || p.ws.state->timed_out != 0) return;
     const uint64_t epoch = *p.ws.epoch;
     if (wait_words(w, epoch, Deadline::from_now(p.timeout_ns), p.record) != WaitStatus::kOk) p.ws.state->timed_out = 1;
-}
-
-template <bool kIdx64>
-__device__ __forceinline__ int64_t topk_at(const DispatchParams& p, int t, int k) {
-    using Index = std::conditional_t<kIdx64, int64_t, int32_t>;
-    return static_cast<const Index*>(p.topk_idx)[t * p.topk_idx_row_stride + k];
 }
 
 template <bool kIdx64>
@@ -82,64 +77,9 @@ __global__ void __launch_bounds__(kThreads) plan_kernel(DispatchParams p) {
         }
         return;
     }
-    if (b == q_end && threadIdx.x == 0)
-        p.ws.state->sticky_seen = reinterpret_cast<volatile int32_t*>(&p.record->sticky.kind)[0];
-    const int lane = lane_id();
-    for (int t = (b - q_end) * kWarps + warp_id(); t < t_count; t += kStatusBlocks * kWarps) {
-        const bool active = lane < sh.num_topk;
-        const int64_t v = active ? topk_at<kIdx64>(p, t, lane) : -1;
-        int fault, dup;
-        clean_route(v, active, sh.num_experts, fault, dup);
-        const unsigned bad = __ballot_sync(kFullMask, fault != detail::kRouteOk);
-        if (bad && lane == 0) atomicMin(p.ws.first_bad_route, detail::route_key(t, __ffs(bad) - 1));
-    }
-}
-
-template <bool kIdx64>
-__device__ RouteStatus resolve_route_status(const DispatchParams& p) {
-    const HybridShape& sh = p.shape;
-    const unsigned long long key = *p.ws.first_bad_route;
-    *p.ws.first_bad_route = detail::kNoRouteKey;
-    // no invalid route and no sticky fault (the plan kernel's copy, sticky_seen): OK in every mode,
-    // without reading the host-mapped record (a PCIe round trip per word, on every call's critical path)
-    if (key == detail::kNoRouteKey && p.ws.state->sticky_seen == detail::kRouteOk) return RouteStatus{};
-    RouteStatus bad{};
-    if (key != detail::kNoRouteKey) {
-        const int t = static_cast<int>(detail::route_key_token(key)), k = detail::route_key_k(key);
-        const int64_t v = topk_at<kIdx64>(p, t, k);
-        bad.token = t;
-        bad.k = k;
-        bad.value = v;
-        bad.dup_of = -1;
-        if (v < -1 || v >= sh.num_experts) {
-            bad.kind = detail::kRouteOutOfRange;
-        } else {
-            bad.kind = detail::kRouteRepeated;
-            for (int j = 0; j < k; ++j)
-                if (topk_at<kIdx64>(p, t, j) == v) {
-                    bad.dup_of = j;
-                    break;
-                }
-        }
-    }
-    volatile RouteStatus* sticky = &p.record->sticky;
-    RouteStatus now{};
-    now.kind = sticky->kind;
-    now.token = sticky->token;
-    now.k = sticky->k;
-    now.dup_of = sticky->dup_of;
-    now.value = sticky->value;
-    const detail::RouteDecision d = detail::decide_route_status(p.host_sync, now, bad);
-    if (d.clear_sticky) sticky->kind = detail::kRouteOk;
-    if (d.record_sticky) {
-        sticky->token = bad.token;
-        sticky->k = bad.k;
-        sticky->dup_of = bad.dup_of;
-        sticky->value = bad.value;
-        __threadfence_system();
-        sticky->kind = bad.kind;
-    }
-    return d.publish;
+    // status blocks (src/kernels/common/routes.cuh)
+    if (b == q_end && threadIdx.x == 0) copy_sticky_word(p);
+    scan_route_status<kIdx64>(p, (b - q_end) * kWarps + warp_id(), kStatusBlocks * kWarps);
 }
 
 template <bool kIdx64>
