@@ -241,17 +241,21 @@ Timing timing(const std::vector<RankRecord>& recs, std::vector<double> RankRecor
 }
 
 void set_bytes(PhaseStats& p, int64_t peer_messages, int64_t local_messages, int64_t peer_bytes, int64_t local_bytes,
-               int64_t hbm_bytes, double hbm_gbps) {
+               int64_t hbm_bytes, int64_t hbm_min_bytes, double hbm_gbps) {
     p.peer_messages = peer_messages;
     p.local_messages = local_messages;
     p.peer_bytes = peer_bytes;
     p.local_bytes = local_bytes;
     p.hbm_bytes = hbm_bytes;
+    p.hbm_min_bytes = hbm_min_bytes;
     if (p.isolated.median_us > 0) {
         p.peer_gbps = static_cast<double>(peer_bytes) / (p.isolated.median_us * 1e3);
         p.total_gbps = static_cast<double>(peer_bytes + local_bytes) / (p.isolated.median_us * 1e3);
     }
-    if (hbm_gbps > 0) p.hbm_floor_us = static_cast<double>(hbm_bytes) / (hbm_gbps * 1e3);
+    if (hbm_gbps > 0) {
+        p.hbm_floor_us = static_cast<double>(hbm_bytes) / (hbm_gbps * 1e3);
+        p.hbm_min_floor_us = static_cast<double>(hbm_min_bytes) / (hbm_gbps * 1e3);
+    }
 }
 
 // A check counts as verified when the output of every rank matched.
@@ -680,13 +684,13 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
     rep.dispatch.isolated = timing(recs, &RankRecord::dispatch_us, s.warmup);
     rep.dispatch.back_to_back = timing(recs, &RankRecord::b2b_dispatch_us, 0);
     set_bytes(rep.dispatch, tr.peer_messages, tr.local_messages, tr.dispatch_peer_bytes(), tr.dispatch_local_bytes(),
-              tr.dispatch_hbm_bytes, rep.hbm_gbps);
+              tr.dispatch_hbm_bytes, tr.dispatch_min_hbm_bytes, rep.hbm_gbps);
     tally(rep.dispatch, recs, &RankRecord::dispatch_checks);
     rep.combine.name = "combine";
     rep.combine.isolated = timing(recs, &RankRecord::combine_us, s.warmup);
     rep.combine.back_to_back = timing(recs, &RankRecord::b2b_combine_us, 0);
     set_bytes(rep.combine, tr.peer_messages, tr.local_messages, tr.combine_peer_bytes(), tr.combine_local_bytes(),
-              tr.combine_hbm_bytes, rep.hbm_gbps);
+              tr.combine_hbm_bytes, tr.combine_min_hbm_bytes, rep.hbm_gbps);
     tally(rep.combine, recs, &RankRecord::combine_checks);
     if (s.graph) {
         rep.graph.name = "graph";
@@ -694,7 +698,7 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
         rep.graph.back_to_back = timing(recs, &RankRecord::b2b_graph_us, 0);
         set_bytes(rep.graph, tr.peer_messages, tr.local_messages, tr.dispatch_peer_bytes() + tr.combine_peer_bytes(),
                   tr.dispatch_local_bytes() + tr.combine_local_bytes(), tr.dispatch_hbm_bytes + tr.combine_hbm_bytes,
-                  rep.hbm_gbps);
+                  tr.dispatch_min_hbm_bytes + tr.combine_min_hbm_bytes, rep.hbm_gbps);
         tally(rep.graph, recs, &RankRecord::graph_checks);
     }
     if (!s.verify)

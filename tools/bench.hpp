@@ -78,9 +78,11 @@ struct PhaseStats {
     int64_t peer_messages = 0, local_messages = 0;  // per round, all ranks together
     int64_t peer_bytes = 0, local_bytes = 0;        // per round, all ranks together
     int64_t hbm_bytes = 0;                          // device-memory floor bytes, all ranks
+    int64_t hbm_min_bytes = 0;                      // ... of rows written once (Traffic::*_min_hbm_bytes)
     double peer_gbps = 0;                           // peer bytes / isolated median
     double total_gbps = 0;                          // (peer + local) bytes / isolated median
     double hbm_floor_us = 0;                        // hbm_bytes / HBM copy bandwidth (0 = not shown)
+    double hbm_min_floor_us = 0;                    // hbm_min_bytes / HBM copy bandwidth
     int rounds_verified = 0;
     int rounds_failed = 0;
 };

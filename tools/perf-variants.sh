@@ -140,15 +140,8 @@ def med(r, phase, key="latency_us"):
     return t.get("median")
 
 def direct_floor(r, doc, phase):
-    # the direct path moves: dispatch = read x + write every received row; combine = read every real
-    # row of y + write out (the staged floor also writes and reads every message / partial once)
-    gbps = ((doc or {}).get("hbm") or {}).get("gbps")
-    if not r or not gbps: return None
-    tr = r["traffic"]
-    H = doc["scenario"]["hidden"]
-    SCOLS = (H + 127) // 128 if doc["scenario"].get("scale_format") == "f32_g128" else (H + 511) // 512
-    b = tr["tokens"] * H * 2 + tr["routes"] * (H + 4 * SCOLS) if phase == "dispatch" else (tr["routes"] + tr["tokens"]) * H * 2
-    return b / (gbps * 1e3)
+    # the direct path's bytes: rows written once (the bench's min floor, Traffic::*_min_hbm_bytes)
+    return ((r or {}).get("phases", {}).get(phase) or {}).get("hbm_min_floor_us")
 
 f = lambda v: "-" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.1f}")
 print(f"{'variant':8} {'phase':8} {'dispatch us':>11} {'combine us':>10} {'graph D+C':>10} | {'staged floor D/C':>17} {'direct floor D/C':>17} | verified")

@@ -58,6 +58,8 @@ Json phase_json(const BenchReport& r, const PhaseStats& p) {
     j["total_gbps"] = p.total_gbps;
     j["hbm_bytes"] = p.hbm_bytes;
     j["hbm_floor_us"] = p.hbm_floor_us > 0 ? Json(p.hbm_floor_us) : Json();
+    j["hbm_min_bytes"] = p.hbm_min_bytes;
+    j["hbm_min_floor_us"] = p.hbm_min_floor_us > 0 ? Json(p.hbm_min_floor_us) : Json();
     j["verified"] = r.scenario.verify ? Json(p.rounds_failed == 0) : Json();
     j["rounds_verified"] = p.rounds_verified;
     j["rounds_failed"] = p.rounds_failed;
@@ -85,7 +87,9 @@ Json result_json(const BenchReport& r) {
                     {"combine_peer_bytes", t.combine_peer_bytes()},
                     {"combine_local_bytes", t.combine_local_bytes()},
                     {"dispatch_hbm_bytes", t.dispatch_hbm_bytes},
-                    {"combine_hbm_bytes", t.combine_hbm_bytes}};
+                    {"combine_hbm_bytes", t.combine_hbm_bytes},
+                    {"dispatch_min_hbm_bytes", t.dispatch_min_hbm_bytes},
+                    {"combine_min_hbm_bytes", t.combine_min_hbm_bytes}};
     j["phases"] = {{"dispatch", phase_json(r, r.dispatch)},
                    {"combine", phase_json(r, r.combine)},
                    {"graph", r.scenario.graph ? phase_json(r, r.graph) : Json()}};
@@ -116,8 +120,12 @@ std::string format_report(const std::vector<BenchReport>& reports) {
        << "returns one " << first.traffic.partial_bytes << " B bf16 row per message; GB/s = peer bytes / isolated "
        << "median";
     if (floor)
-        os << "\nHBM floor = device-memory bytes of every rank / " << static_cast<int64_t>(first.hbm_gbps + 0.5)
-           << " GB/s (" << (first.hbm_measured ? "measured device copy, read + write" : "--hbm-gbps") << ")";
+        os << "\nHBM floor = device-memory bytes of every rank (the staged data flow: each message and partial written "
+              "and read once) / "
+           << static_cast<int64_t>(first.hbm_gbps + 0.5) << " GB/s ("
+           << (first.hbm_measured ? "measured device copy, read + write" : "--hbm-gbps")
+           << "); rows written once (no copy between): dispatch " << us(first.dispatch.hbm_min_floor_us)
+           << " us, combine " << us(first.combine.hbm_min_floor_us) << " us (first row; JSON: hbm_min_floor_us)";
     os << "\n\n";
 
     // header: [tokens sms peer-msgs] | dispatch | combine | [graph] | verified

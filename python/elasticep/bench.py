@@ -563,14 +563,15 @@ def _hbm_gbps(fw):
     return 2.0 * n / (statistics.median(ms) * 1e-3) / 1e9
 
 
-def _phase(t, timing, b2b, peer_bytes, local_bytes, hbm_bytes, hbm, verify, checks):
+def _phase(t, timing, b2b, peer_bytes, local_bytes, hbm_bytes, hbm_min_bytes, hbm, verify, checks):
     med = timing["median"] if timing else 0.0
     ok, bad = checks
     return {"latency_us": timing, "back_to_back_us": b2b, "peer_messages": t["peer_messages"],
             "local_messages": t["local_messages"], "peer_bytes": peer_bytes, "local_bytes": local_bytes,
             "peer_gbps": peer_bytes / (med * 1e3) if med > 0 else 0.0,
             "total_gbps": (peer_bytes + local_bytes) / (med * 1e3) if med > 0 else 0.0, "hbm_bytes": hbm_bytes,
-            "hbm_floor_us": hbm_bytes / (hbm * 1e3) if hbm else None, "verified": (bad == 0) if verify else None,
+            "hbm_floor_us": hbm_bytes / (hbm * 1e3) if hbm else None, "hbm_min_bytes": hbm_min_bytes,
+            "hbm_min_floor_us": hbm_min_bytes / (hbm * 1e3) if hbm else None, "verified": (bad == 0) if verify else None,
             "rounds_verified": ok if verify else 0, "rounds_failed": bad if verify else 0}
 
 
@@ -594,14 +595,16 @@ def _run_row(args, backend, fw, tokens, sms, hbm):
     t = _traffic(args, tokens)
     msg, part = t["message_bytes"], t["partial_bytes"]
     d = _phase(t, _timing(recs, "d", args.warmup), _timing(recs, "bd"), t["peer_messages"] * msg,
-               t["local_messages"] * msg, t["dispatch_hbm_bytes"], hbm, verify, _tally(recs, "checks_d"))
+               t["local_messages"] * msg, t["dispatch_hbm_bytes"], t["dispatch_min_hbm_bytes"], hbm, verify,
+               _tally(recs, "checks_d"))
     c = _phase(t, _timing(recs, "c", args.warmup), _timing(recs, "bc"), t["peer_messages"] * part,
-               t["local_messages"] * part, t["combine_hbm_bytes"], hbm, verify, _tally(recs, "checks_c"))
+               t["local_messages"] * part, t["combine_hbm_bytes"], t["combine_min_hbm_bytes"], hbm, verify,
+               _tally(recs, "checks_c"))
     g = None
     if args.graph:
         g = _phase(t, _timing(recs, "g", args.warmup), _timing(recs, "bg"), t["peer_messages"] * (msg + part),
-                   t["local_messages"] * (msg + part), t["dispatch_hbm_bytes"] + t["combine_hbm_bytes"], hbm, verify,
-                   _tally(recs, "checks_g"))
+                   t["local_messages"] * (msg + part), t["dispatch_hbm_bytes"] + t["combine_hbm_bytes"],
+                   t["dispatch_min_hbm_bytes"] + t["combine_min_hbm_bytes"], hbm, verify, _tally(recs, "checks_g"))
     failures = [f for rec in recs for f in rec["failures"]][:8]
     traffic = dict(t, dispatch_peer_bytes=t["peer_messages"] * msg, dispatch_local_bytes=t["local_messages"] * msg,
                    combine_peer_bytes=t["peer_messages"] * part, combine_local_bytes=t["local_messages"] * part)

@@ -883,6 +883,8 @@ NB_MODULE(_C, m) {
             d["partial_bytes"] = tr.partial_bytes;
             d["dispatch_hbm_bytes"] = tr.dispatch_hbm_bytes;
             d["combine_hbm_bytes"] = tr.combine_hbm_bytes;
+            d["dispatch_min_hbm_bytes"] = tr.dispatch_min_hbm_bytes;
+            d["combine_min_hbm_bytes"] = tr.combine_min_hbm_bytes;
             return d;
         },
         "params"_a, "num_ranks"_a, "rank"_a, "topk_idx"_a, "prequantized"_a);

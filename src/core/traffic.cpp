@@ -31,6 +31,8 @@ Traffic& Traffic::operator+=(const Traffic& o) {
     local_messages += o.local_messages;
     dispatch_hbm_bytes += o.dispatch_hbm_bytes;
     combine_hbm_bytes += o.combine_hbm_bytes;
+    dispatch_min_hbm_bytes += o.dispatch_min_hbm_bytes;
+    combine_min_hbm_bytes += o.combine_min_hbm_bytes;
     return *this;
 }
 
@@ -76,6 +78,8 @@ Traffic count_traffic(const BufferConfig& config, int num_ranks, int rank, const
         prequantized && config.payload == Payload::kFP8 ? t_count * row_payload_bytes(config) : t_count * h * 2;
     tr.dispatch_hbm_bytes = x_bytes + 2 * tr.messages() * tr.message_bytes + tr.routes * row_payload_bytes(config);
     tr.combine_hbm_bytes = tr.routes * h * 2 + 2 * tr.messages() * tr.partial_bytes + t_count * h * 2;
+    tr.dispatch_min_hbm_bytes = x_bytes + tr.routes * row_payload_bytes(config);
+    tr.combine_min_hbm_bytes = tr.routes * h * 2 + t_count * h * 2;
     return tr;
 }
 

@@ -42,6 +42,9 @@ def test_every_token_to_every_rank_counts_by_hand():
     d, c = row["phases"]["dispatch"], row["phases"]["combine"]
     assert d["peer_bytes"] == r * t * (r - 1) * msg
     assert c["peer_bytes"] == r * t * (r - 1) * h * 2
+    # rows written once: x (bf16) + every received row; every row of y + the output
+    assert d["hbm_min_bytes"] == r * t * h * 2 + k * r * t * h * 2
+    assert c["hbm_min_bytes"] == k * r * t * h * 2 + r * t * h * 2
     assert len(d["latency_us"]["rounds"]) == 2 and len(d["back_to_back_us"]["rounds"]) == 2
     assert rep["verified"] is None  # the CPU backend is the reference: nothing independent to compare with
 
@@ -108,7 +111,8 @@ def test_same_counts_as_the_cpp_bench():
     cpp = json.loads(cpp.stdout)
     for a, b in zip(py["results"], cpp["results"]):
         for key in ("tokens", "routes", "peer_messages", "local_messages", "message_bytes", "dispatch_peer_bytes",
-                    "combine_peer_bytes", "dispatch_hbm_bytes", "combine_hbm_bytes"):
+                    "combine_peer_bytes", "dispatch_hbm_bytes", "combine_hbm_bytes", "dispatch_min_hbm_bytes",
+                    "combine_min_hbm_bytes"):
             assert a["traffic"][key] == b["traffic"][key], (key, a["traffic"], b["traffic"])
         assert b["verified"] is True
 

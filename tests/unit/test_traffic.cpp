@@ -46,6 +46,16 @@ TEST(Traffic, HandCheckedCase) {
     EXPECT_EQ(t.dispatch_hbm_bytes, 768 + 2432 + 1280);
     // y 5 rows * 256 + 2 * 4 partials * 256 + out 3*256
     EXPECT_EQ(t.combine_hbm_bytes, 1280 + 2048 + 768);
+    // rows written once: x 3*256 + 5 rows * 256; y 5 rows * 256 + out 3*256
+    EXPECT_EQ(t.dispatch_min_hbm_bytes, 768 + 1280);
+    EXPECT_EQ(t.combine_min_hbm_bytes, 1280 + 768);
+    // fp8 with fp32 1x128 scales: a row is 128 B + one 4-byte scale; x is read as bf16 (3*256), or as
+    // fp8 rows (3*132) when pre-quantized
+    const BufferConfig c8 = config(4, 2, 128, Payload::kFP8);
+    const TensorRef ids = TensorRef::contiguous(idx.data(), DType::kInt64, {3, 2});
+    EXPECT_EQ(count_traffic(c8, 2, 0, ids).dispatch_min_hbm_bytes, 768 + 5 * 132);
+    EXPECT_EQ(count_traffic(c8, 2, 0, ids, true).dispatch_min_hbm_bytes, 3 * 132 + 5 * 132);
+    EXPECT_EQ(count_traffic(c8, 2, 0, ids).combine_min_hbm_bytes, 1280 + 768);
     // The same ids as rank 1: the local and peer roles swap.
     const Traffic t1 = count_traffic(c, 2, 1, TensorRef::contiguous(idx.data(), DType::kInt64, {3, 2}));
     EXPECT_EQ(t1.local_messages, 2);
@@ -104,6 +114,8 @@ TEST(Traffic, StridedIdsAndSums) {
     EXPECT_EQ(sum.routes, 10);
     EXPECT_EQ(sum.messages(), 8);
     EXPECT_EQ(sum.message_bytes, 304);
+    EXPECT_EQ(sum.dispatch_min_hbm_bytes, 6 * 256 + 10 * 256);
+    EXPECT_EQ(sum.combine_min_hbm_bytes, 10 * 256 + 6 * 256);
     Traffic other;
     other += count_traffic(config(4, 2, 256), 2, 0, v);
     EXPECT_THROW(sum += other, Error);
