@@ -1,0 +1,67 @@
+# tools/device-check STEPS=perf on the CPU backend with a tiny shape (PERF_BACKEND=cpu) and BASE_CLI =
+# this CLI: the step's logic without a GPU. Checks what it wrote: every bench JSON, the verified runs
+# verified, stage-time sections, the table's rows (figure = the JSON's median, the base column), and
+# the rows-written-once byte count recomputed from the row's counts.
+# -DCLI=<elasticep> -DROOT=<source dir> -DBUILD_DIR=<build dir> -DWORK_DIR=<output dir>
+file(REMOVE_RECURSE "${WORK_DIR}")
+execute_process(
+  COMMAND ${CMAKE_COMMAND} -E env STEPS=perf PERF_BACKEND=cpu "PERF_SHAPE=--hidden 256 --experts 16 --topk 4"
+          PERF_DECODE_TOKENS=1,8 PERF_PREFILL_TOKENS=16,64 PERF_DECODE_T=8 PERF_PREFILL_T=64 PERF_ROUNDS=2
+          ELASTICEP_BUILD_DIR=${BUILD_DIR} BASE_CLI=${CLI} STEP_TIMEOUT=120
+          bash ${ROOT}/tools/device-check ${WORK_DIR}
+  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "device-check STEPS=perf exited ${rc}:\n${out}\n${err}")
+endif()
+foreach(f perf_decode perf_prefill base_perf_decode base_perf_prefill perf_decode_verified perf_prefill_verified)
+  if(NOT EXISTS "${WORK_DIR}/${f}.json")
+    message(FATAL_ERROR "no ${f}.json:\n${out}")
+  endif()
+endforeach()
+foreach(f perf_decode_verified perf_prefill_verified)
+  file(READ "${WORK_DIR}/${f}.json" j)
+  string(JSON v GET "${j}" verified)
+  if(NOT v STREQUAL "ON")
+    message(FATAL_ERROR "${f}.json: verified = ${v}")
+  endif()
+endforeach()
+file(READ "${WORK_DIR}/stages.log" stages)
+foreach(h "### new: decode T=8" "### base: prefill T=64")
+  string(FIND "${stages}" "${h}" at)
+  if(at LESS 0)
+    message(FATAL_ERROR "stages.log lacks '${h}'")
+  endif()
+endforeach()
+# the table: 4 rows (decode dispatch/combine, prefill dispatch/combine; no graph on the CPU backend)
+file(READ "${WORK_DIR}/perf_table.json" t)
+string(JSON n LENGTH "${t}" rows)
+if(NOT n EQUAL 4)
+  message(FATAL_ERROR "perf_table.json has ${n} rows, want 4")
+endif()
+file(READ "${WORK_DIR}/perf_decode.json" dec)
+# decode T=8 is the second row of the sweep (1,8): the table's figure is its dispatch median, beside the
+# base CLI's; the CPU backend reports no HBM floor, so no ratio
+string(JSON med GET "${dec}" results 1 phases dispatch latency_us median)
+string(JSON got GET "${t}" rows 0 us)
+string(JSON base GET "${t}" rows 0 base_us)
+string(JSON fig GET "${t}" rows 0 figure)
+string(JSON x TYPE "${t}" rows 0 x_floor)
+if(NOT fig STREQUAL "dispatch" OR NOT got STREQUAL med OR base STREQUAL "" OR NOT x STREQUAL "NULL")
+  message(FATAL_ERROR "row 0: figure ${fig}, us ${got} (JSON median ${med}), base ${base}, x_floor ${x}")
+endif()
+# rows written once, recomputed from the row's counts (H = 256 fp8 with fp32 1x128 scales: a received
+# row is 256 + 2 * 4 bytes; x is read as bf16): dispatch = tokens * 512 + routes * 264, combine =
+# routes * 512 + tokens * 512
+string(JSON tokens GET "${dec}" results 1 traffic tokens)
+string(JSON routes GET "${dec}" results 1 traffic routes)
+string(JSON dmin GET "${dec}" results 1 phases dispatch hbm_min_bytes)
+string(JSON cmin GET "${dec}" results 1 phases combine hbm_min_bytes)
+math(EXPR want_d "${tokens} * 512 + ${routes} * 264")
+math(EXPR want_c "${routes} * 512 + ${tokens} * 512")
+if(NOT dmin EQUAL want_d OR NOT cmin EQUAL want_c)
+  message(FATAL_ERROR "min bytes: dispatch ${dmin} (want ${want_d}), combine ${cmin} (want ${want_c})")
+endif()
+file(READ "${WORK_DIR}/perf_table.md" md)
+if(NOT md MATCHES "\\| decode T=8 \\| dispatch \\|" OR NOT md MATCHES "\\| prefill T=64 \\| combine \\|")
+  message(FATAL_ERROR "perf_table.md:\n${md}")
+endif()
