@@ -1,5 +1,5 @@
-# tools/device-check STEPS=perf on the CPU backend with a tiny shape (PERF_BACKEND=cpu) and BASE_CLI =
-# this CLI: the step's logic without a GPU. Checks what it wrote: every bench JSON, the verified runs
+# tools/device-check STEPS=perf on the CPU backend with a tiny shape (PERF_BACKEND=cpu) and BASE_ENV
+# (the base = this build under another setting): the step's logic without a GPU. Checks what it wrote: every bench JSON, the verified runs
 # verified, stage-time sections, the table's rows (figure = the JSON's median, the base column), and
 # the rows-written-once byte count recomputed from the row's counts.
 # -DCLI=<elasticep> -DROOT=<source dir> -DBUILD_DIR=<build dir> -DWORK_DIR=<output dir>
@@ -7,7 +7,7 @@ file(REMOVE_RECURSE "${WORK_DIR}")
 execute_process(
   COMMAND ${CMAKE_COMMAND} -E env STEPS=perf PERF_BACKEND=cpu "PERF_SHAPE=--hidden 256 --experts 16 --topk 4"
           PERF_DECODE_TOKENS=1,8 PERF_PREFILL_TOKENS=16,64 PERF_DECODE_T=8 PERF_PREFILL_T=64 PERF_ROUNDS=2
-          ELASTICEP_BUILD_DIR=${BUILD_DIR} BASE_CLI=${CLI} STEP_TIMEOUT=120
+          ELASTICEP_BUILD_DIR=${BUILD_DIR} BASE_ENV=ELASTICEP_BULK_COPIES=0 STEP_TIMEOUT=120
           bash ${ROOT}/tools/device-check ${WORK_DIR}
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
@@ -25,6 +25,11 @@ foreach(f perf_decode_verified perf_prefill_verified)
     message(FATAL_ERROR "${f}.json: verified = ${v}")
   endif()
 endforeach()
+file(READ "${WORK_DIR}/perf.log" log)
+string(FIND "${log}" "### base decode sweep: env ELASTICEP_BULK_COPIES=0 ${CLI} bench" at)
+if(at LESS 0)
+  message(FATAL_ERROR "perf.log: the base sweep did not run under BASE_ENV:\n${log}")
+endif()
 file(READ "${WORK_DIR}/stages.log" stages)
 foreach(h "### new: decode T=8" "### base: prefill T=64")
   string(FIND "${stages}" "${h}" at)
