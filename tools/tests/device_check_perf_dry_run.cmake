@@ -13,7 +13,8 @@ execute_process(
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "device-check STEPS=perf exited ${rc}:\n${out}\n${err}")
 endif()
-foreach(f perf_decode perf_prefill base_perf_decode base_perf_prefill perf_decode_verified perf_prefill_verified)
+foreach(f perf_decode perf_prefill base_perf_decode base_perf_prefill perf_decode_verified perf_prefill_verified
+          perf_sweep_decode perf_sweep_prefill base_perf_sweep_decode base_perf_sweep_prefill)
   if(NOT EXISTS "${WORK_DIR}/${f}.json")
     message(FATAL_ERROR "no ${f}.json:\n${out}")
   endif()
@@ -44,9 +45,13 @@ if(NOT n EQUAL 4)
   message(FATAL_ERROR "perf_table.json has ${n} rows, want 4")
 endif()
 file(READ "${WORK_DIR}/perf_decode.json" dec)
-# decode T=8 is the second row of the sweep (1,8): the table's figure is its dispatch median, beside the
-# base CLI's; the CPU backend reports no HBM floor, so no ratio
-string(JSON med GET "${dec}" results 1 phases dispatch latency_us median)
+# the headline run (T = 8, C = 8): the table's figure is its dispatch median, beside the base's; the
+# CPU backend reports no HBM floor, so no ratio
+string(JSON cap GET "${dec}" results 0 max_tokens_per_rank)
+if(NOT cap EQUAL 8)
+  message(FATAL_ERROR "the headline decode run has C = ${cap}, want 8 (C = T)")
+endif()
+string(JSON med GET "${dec}" results 0 phases dispatch latency_us median)
 string(JSON got GET "${t}" rows 0 us)
 string(JSON base GET "${t}" rows 0 base_us)
 string(JSON fig GET "${t}" rows 0 figure)
@@ -57,10 +62,10 @@ endif()
 # rows written once, recomputed from the row's counts (H = 256 fp8 with fp32 1x128 scales: a received
 # row is 256 + 2 * 4 bytes; x is read as bf16): dispatch = tokens * 512 + routes * 264, combine =
 # routes * 512 + tokens * 512
-string(JSON tokens GET "${dec}" results 1 traffic tokens)
-string(JSON routes GET "${dec}" results 1 traffic routes)
-string(JSON dmin GET "${dec}" results 1 phases dispatch hbm_min_bytes)
-string(JSON cmin GET "${dec}" results 1 phases combine hbm_min_bytes)
+string(JSON tokens GET "${dec}" results 0 traffic tokens)
+string(JSON routes GET "${dec}" results 0 traffic routes)
+string(JSON dmin GET "${dec}" results 0 phases dispatch hbm_min_bytes)
+string(JSON cmin GET "${dec}" results 0 phases combine hbm_min_bytes)
 math(EXPR want_d "${tokens} * 512 + ${routes} * 264")
 math(EXPR want_c "${routes} * 512 + ${tokens} * 512")
 if(NOT dmin EQUAL want_d OR NOT cmin EQUAL want_c)
