@@ -11,7 +11,10 @@ decode.json: a decode bench (masked layout, --graph) with a row of --decode-toke
 back). Two floors per phase, both from the bench's own byte count (include/elasticep/traffic.hpp):
 "floor" (hbm_floor_us: the staged data flow, every message and partial written and read once; the
 one issue 15's targets use) and "min" (hbm_min_floor_us: every row written once into its final
-place, the least any implementation moves). Prints a Markdown table; --json FILE writes the same
+place, the least any implementation moves). --info takes `elasticep info --json` of the memory
+target's shape (EP128, C = 8192: `--ranks 128 --tokens 8192 --alignment 128 --backend cuda`): its
+host-sync reservation against the 4 GiB target, and beside it what the buffer-owned contiguous
+outputs add (their worst case, M_cap rows). Prints a Markdown table; --json FILE writes the same
 figures as JSON. Exit status 0 whether or not a target is met (the table says which).
 """
 import argparse
@@ -28,6 +31,8 @@ TARGETS = {
     ("prefill", "combine"): ("ratio", 1.1),
 }
 TARGET_SHAPE = {"hidden": 7168, "experts": 256, "topk": 8, "ranks": 8, "payload": "fp8"}
+RESERVATION_TARGET_GIB = 4.0  # per rank, host-sync prefill, EP128, C = 8192, H = 7168 fp8
+GIB = float(1 << 30)
 
 
 def load(path):
@@ -129,7 +134,25 @@ def build(args):
     return docs, base, rows
 
 
-def markdown(docs, base, rows):
+def memory_rows(info):
+    """The reservation target's figures from `elasticep info --json` (None without it)."""
+    if not info:
+        return []
+    c = info.get("config") or {}
+    res = (c.get("cuda_reservation") or {}).get("staged_host_sync_bytes")
+    outs = ((c.get("layouts") or {}).get("contiguous") or {}).get("total_bytes")
+    shape = "EP%s, C = %s, H = %s %s" % (c.get("ranks"), c.get("max_tokens_per_rank"), c.get("hidden"), c.get("payload"))
+    out = []
+    if res is not None:
+        out.append({"figure": "reservation, host-sync prefill", "shape": shape, "gib": res / GIB,
+                    "target": "<= %g GiB" % RESERVATION_TARGET_GIB, "met": res / GIB <= RESERVATION_TARGET_GIB})
+    if outs is not None:
+        out.append({"figure": "+ buffer-owned contiguous outputs (worst case, M_cap rows)", "shape": shape,
+                    "gib": outs / GIB, "target": "-", "met": None})
+    return out
+
+
+def markdown(docs, base, rows, mem=()):
     has_base = any(r["base_us"] is not None for r in rows)
     has_emu = any(r["emulation_us"] is not None for r in rows)
     head = ["phase", "figure", "measured", "floor", "x floor", "min floor", "x min", "target", "met"]
@@ -148,6 +171,11 @@ def markdown(docs, base, rows):
         if has_emu:
             cells += [fmt(r["emulation_us"], " us")]
         lines.append("| " + " | ".join(cells) + " |")
+    if mem:
+        lines += ["", "| memory (per rank) | shape | GiB | target | met |", "| --- | --- | --- | --- | --- |"]
+        for m in mem:
+            met = "-" if m["met"] is None else ("yes" if m["met"] else "**no**")
+            lines.append("| %s | %s | %.2f | %s | %s |" % (m["figure"], m["shape"], m["gib"], m["target"], met))
     notes = [shape_note(d, p) for p, d in docs.items() if d is not None]
     notes += ["base " + shape_note(d, p) for p, d in base.items() if d is not None]
     return "\n".join(lines + [""] + ["- " + n for n in notes]) + "\n"
@@ -160,6 +188,7 @@ def main(argv=None):
     ap.add_argument("--base-decode", help="the same decode bench of a base build (A/B)")
     ap.add_argument("--base-prefill", help="the same prefill bench of a base build (A/B)")
     ap.add_argument("--emulation", help="bench/torch_emulation.py --json of the same machine")
+    ap.add_argument("--info", help="elasticep info --json of the memory target's shape")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--json", dest="json_out", help="also write the rows as JSON here")
@@ -167,14 +196,15 @@ def main(argv=None):
     if not a.decode and not a.prefill:
         ap.error("give --decode and/or --prefill")
     docs, base, rows = build(a)
+    mem = memory_rows(load(a.info))
     for phase, doc in docs.items():
         if doc is not None and not any(r["phase"] == phase for r in rows):
             sys.exit("perf_table: %s has no row of %d tokens per rank" %
                      (getattr(a, phase), a.decode_tokens if phase == "decode" else a.prefill_tokens))
-    sys.stdout.write(markdown(docs, base, rows))
+    sys.stdout.write(markdown(docs, base, rows, mem))
     if a.json_out:
         with open(a.json_out, "w") as f:
-            json.dump({"rows": rows}, f, indent=1)
+            json.dump({"rows": rows, "memory": mem}, f, indent=1)
     return 0
 
 

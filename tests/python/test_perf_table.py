@@ -113,3 +113,40 @@ def test_reads_the_cli_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     row = json.loads(rows_path.read_text())["rows"][0]
     assert row["us"] == ph["dispatch"]["latency_us"]["median"] and row["x_floor"] is None
+
+
+def test_memory_rows(tmp_path):
+    # the reservation against 4 GiB: 3.9 GiB met, 4.1 GiB not; the outputs' worst case shown beside
+    for gib, met in ((3.9, True), (4.1, False)):
+        info = {"config": {"ranks": 128, "max_tokens_per_rank": 8192, "hidden": 7168, "payload": "fp8",
+                           "cuda_reservation": {"staged_host_sync_bytes": int(gib * (1 << 30))},
+                           "layouts": {"contiguous": {"total_bytes": 15 << 30}}}}
+        dec = doc(128, {"dispatch": phase(76.0, 38.0, 19.0), "combine": phase(106.0, 70.0, 35.0)})
+        out = str(tmp_path / "rows.json")
+        proc = subprocess.run([sys.executable, TOOL, "--decode", write(tmp_path, "d.json", dec), "--info",
+                               write(tmp_path, "i.json", info), "--json", out], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        mem = json.load(open(out))["memory"]
+        assert mem[0]["gib"] == pytest.approx(gib, abs=1e-9) and mem[0]["met"] is met
+        assert mem[1]["gib"] == pytest.approx(15.0) and mem[1]["met"] is None
+        assert ("| reservation, host-sync prefill | EP128, C = 8192, H = 7168 fp8 | %.2f | <= 4 GiB | %s |"
+                % (gib, "yes" if met else "**no**")) in proc.stdout
+
+
+@pytest.mark.skipif(not os.environ.get("ELASTICEP_CLI"), reason="ELASTICEP_CLI (the C++ elasticep) not given")
+def test_memory_rows_from_the_cli(tmp_path):
+    # `elasticep info --json` of the target's shape (the formula, no GPU needed): the table shows its
+    # host-sync reservation in GiB and judges it against 4 GiB
+    info = subprocess.run([os.environ["ELASTICEP_CLI"], "info", "--json", "--ranks", "128", "--tokens", "8192",
+                           "--alignment", "128", "--backend", "cuda"], capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    path = tmp_path / "info.json"
+    path.write_text(info.stdout)
+    res = json.loads(info.stdout)["config"]["cuda_reservation"]["staged_host_sync_bytes"]
+    dec = doc(128, {"dispatch": phase(76.0, 38.0, 19.0), "combine": phase(106.0, 70.0, 35.0)})
+    out = str(tmp_path / "rows.json")
+    proc = subprocess.run([sys.executable, TOOL, "--decode", write(tmp_path, "d.json", dec), "--info", str(path),
+                           "--json", out], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    mem = json.load(open(out))["memory"][0]
+    assert mem["gib"] == pytest.approx(res / (1 << 30)) and mem["met"] is (res <= 4 << 30)
