@@ -139,7 +139,7 @@ def med(r, phase, key="latency_us"):
     t = x.get(key) or {}
     return t.get("median")
 
-def direct_floor(r, doc, phase):
+def direct_floor(r, phase):
     # the direct path's bytes: rows written once (the bench's min floor, Traffic::*_min_hbm_bytes)
     return ((r or {}).get("phases", {}).get(phase) or {}).get("hbm_min_floor_us")
 
@@ -153,7 +153,7 @@ for v in variants:
             print(f"{v:8} {tag:8} (no result)"); continue
         d, c, g = med(r, "dispatch"), med(r, "combine"), med(r, "graph")
         sd, sc = r["phases"]["dispatch"].get("hbm_floor_us"), r["phases"]["combine"].get("hbm_floor_us")
-        dd, dc = direct_floor(r, doc, "dispatch"), direct_floor(r, doc, "combine")
+        dd, dc = direct_floor(r, "dispatch"), direct_floor(r, "combine")
         ver = (rv or {}).get("verified")
         print(f"{v:8} {tag:8} {f(d):>11} {f(c):>10} {f(g):>10} | {f(sd):>8}/{f(sc):<8} {f(dd):>8}/{f(dc):<8} | {ver}")
         if d and sd and dd:
