@@ -1,6 +1,7 @@
 #include "backends/cuda/host_records.hpp"
 
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -32,6 +33,14 @@ void release(kernels::HostRecord* r) {
     g_free.push_back(r);
 }
 
+std::map<size_t, std::vector<void*>> g_free_pinned;  // by size class, under g_mu
+
+size_t size_class(size_t bytes) {
+    size_t c = 4096;
+    while (c < bytes) c *= 2;
+    return c;
+}
+
 }  // namespace
 
 HostRecordLease::HostRecordLease() : host_(acquire()) {
@@ -44,5 +53,21 @@ HostRecordLease::HostRecordLease() : host_(acquire()) {
 }
 
 HostRecordLease::~HostRecordLease() { release(host_); }
+
+PinnedScratch::PinnedScratch(size_t bytes) : bytes_(size_class(bytes)) {
+    std::lock_guard<std::mutex> lock(g_mu);
+    std::vector<void*>& free = g_free_pinned[bytes_];
+    if (free.empty()) {
+        ELASTICEP_CUDA_CALL(cudaHostAlloc(&ptr_, bytes_, cudaHostAllocPortable));
+    } else {
+        ptr_ = free.back();
+        free.pop_back();
+    }
+}
+
+PinnedScratch::~PinnedScratch() {
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_free_pinned[bytes_].push_back(ptr_);
+}
 
 }  // namespace elasticep::detail::cuda

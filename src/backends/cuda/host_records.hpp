@@ -4,6 +4,8 @@
 // waits for this rank (src/transport/device_pool.hpp).
 #pragma once
 
+#include <cstddef>
+
 #include "kernels/common/buffer_layout.hpp"
 
 namespace elasticep::detail::cuda {
@@ -21,6 +23,27 @@ class HostRecordLease {
  private:
     kernels::HostRecord* host_ = nullptr;
     kernels::HostRecord* device_ = nullptr;
+};
+
+// Page-locked host memory that a buffer's host waits copy the peers' flags into (PeerWatch). Into
+// pageable memory every such read is a staged, synchronous copy through the driver, made again and
+// again by every polling rank of the process: with 8 ranks on one H200, back-to-back calls took
+// 23 / 9 ms (dispatch / combine) instead of 0.62 / 0.56 ms with this memory (docs/PERFORMANCE.md,
+// runs 19-20). Leased from a process-wide pool by size class (powers of two from 4 KiB), recycled
+// and never freed, like the records.
+class PinnedScratch {
+ public:
+    explicit PinnedScratch(size_t bytes);
+    ~PinnedScratch();
+    PinnedScratch(const PinnedScratch&) = delete;
+    PinnedScratch& operator=(const PinnedScratch&) = delete;
+
+    void* data() const { return ptr_; }
+    size_t bytes() const { return bytes_; }  // at least the bytes asked for
+
+ private:
+    size_t bytes_ = 0;
+    void* ptr_ = nullptr;
 };
 
 }  // namespace elasticep::detail::cuda

@@ -1,5 +1,6 @@
 #include "backends/cuda/peer_watch.hpp"
 
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -24,7 +25,8 @@ PeerWatch::PeerWatch(int rank, int num_ranks, std::chrono::milliseconds timeout,
       window_(window),
       record_(record),
       ws_(ws),
-      own_stream_(own_stream) {}
+      own_stream_(own_stream),
+      scratch_(kFlagsAt + 2 * static_cast<size_t>(num_ranks) * sizeof(kernels::DispatchFlag)) {}
 
 bool PeerWatch::timed_out() const {
     return reinterpret_cast<const volatile int32_t*>(&record_->timeout_phase)[0] != kPhaseNone;
@@ -67,49 +69,58 @@ void PeerWatch::poll(int32_t phase, uint64_t expected, int shift, Read&& read) {
     }
 }
 
-void PeerWatch::host_wait(cudaStream_t call_stream, int32_t phase) {
+void PeerWatch::read_epoch(cudaStream_t call_stream, uint64_t& epoch, int32_t& aborted) {
     ELASTICEP_CUDA_CALL(cudaStreamSynchronize(call_stream));
+    auto* line = static_cast<uint8_t*>(scratch_.data());
+    ELASTICEP_CUDA_CALL(cudaMemcpyAsync(line, ws_.epoch, sizeof(uint64_t), cudaMemcpyDeviceToHost, own_stream_));
+    ELASTICEP_CUDA_CALL(
+        cudaMemcpyAsync(line + 8, &ws_.state->timed_out, sizeof(int32_t), cudaMemcpyDeviceToHost, own_stream_));
+    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+    std::memcpy(&epoch, line, sizeof(epoch));
+    std::memcpy(&aborted, line + 8, sizeof(aborted));
+}
+
+void PeerWatch::host_wait(cudaStream_t call_stream, int32_t phase) {
     uint64_t dev_epoch = 0;
     int32_t aborted = 0;
-    ELASTICEP_CUDA_CALL(cudaMemcpyAsync(&dev_epoch, ws_.epoch, sizeof(dev_epoch), cudaMemcpyDeviceToHost, own_stream_));
-    ELASTICEP_CUDA_CALL(
-        cudaMemcpyAsync(&aborted, &ws_.state->timed_out, sizeof(aborted), cudaMemcpyDeviceToHost, own_stream_));
-    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+    read_epoch(call_stream, dev_epoch, aborted);
     if (phase == kPhaseCombine && aborted) return;  // the dispatch timed out: nothing was published
     const uint64_t epoch = phase == kPhaseDispatch ? dev_epoch + 1 : dev_epoch;
     const size_t r = static_cast<size_t>(num_ranks_);
     const uint8_t* base = window_.local();
-    std::vector<kernels::DispatchFlag> disp(phase == kPhaseDispatch ? 2 * r : 0);
+    uint8_t* flags = static_cast<uint8_t*>(scratch_.data()) + kFlagsAt;
     poll(phase, epoch, 0, [&](std::vector<uint64_t>& seen) {
-        if (phase == kPhaseDispatch)
-            ELASTICEP_CUDA_CALL(cudaMemcpyAsync(disp.data(), base + region_.dispatch_flags,
-                                                disp.size() * sizeof(disp[0]), cudaMemcpyDeviceToHost, own_stream_));
-        else
-            ELASTICEP_CUDA_CALL(cudaMemcpyAsync(seen.data(), base + region_.combine_flags, r * sizeof(uint64_t),
+        if (phase == kPhaseDispatch) {
+            ELASTICEP_CUDA_CALL(cudaMemcpyAsync(flags, base + region_.dispatch_flags,
+                                                2 * r * sizeof(kernels::DispatchFlag), cudaMemcpyDeviceToHost,
+                                                own_stream_));
+            ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+            for (size_t i = 0; i < r; ++i)
+                std::memcpy(&seen[i], flags + (2 * i + (epoch & 1)) * sizeof(kernels::DispatchFlag), sizeof(uint64_t));
+        } else {
+            ELASTICEP_CUDA_CALL(cudaMemcpyAsync(flags, base + region_.combine_flags, r * sizeof(uint64_t),
                                                 cudaMemcpyDeviceToHost, own_stream_));
-        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
-        if (phase == kPhaseDispatch)
-            for (size_t i = 0; i < r; ++i) seen[i] = disp[2 * i + (epoch & 1)].epoch;
+            ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+            std::memcpy(seen.data(), flags, r * sizeof(uint64_t));
+        }
     });
 }
 
 void PeerWatch::host_wait_words(cudaStream_t call_stream, int32_t phase, int64_t offset, uint64_t epoch_delta,
                                 int shift, uint64_t step) {
-    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(call_stream));
     uint64_t dev_epoch = 0;
     int32_t aborted = 0;
-    ELASTICEP_CUDA_CALL(cudaMemcpyAsync(&dev_epoch, ws_.epoch, sizeof(dev_epoch), cudaMemcpyDeviceToHost, own_stream_));
-    ELASTICEP_CUDA_CALL(
-        cudaMemcpyAsync(&aborted, &ws_.state->timed_out, sizeof(aborted), cudaMemcpyDeviceToHost, own_stream_));
-    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+    read_epoch(call_stream, dev_epoch, aborted);
     raise_if_timed_out();
     if (aborted) return;  // an earlier wait of this call expired (recorded): nothing more is published
     const uint64_t expected = ((dev_epoch + epoch_delta) << shift) | step;
     const uint8_t* base = window_.local() + offset;
+    uint8_t* words = static_cast<uint8_t*>(scratch_.data()) + kFlagsAt;
     poll(phase, expected, shift, [&](std::vector<uint64_t>& seen) {
         ELASTICEP_CUDA_CALL(
-            cudaMemcpyAsync(seen.data(), base, seen.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost, own_stream_));
+            cudaMemcpyAsync(words, base, seen.size() * sizeof(uint64_t), cudaMemcpyDeviceToHost, own_stream_));
         ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+        std::memcpy(seen.data(), words, seen.size() * sizeof(uint64_t));
     });
 }
 

@@ -5,7 +5,7 @@
 // Host waits (LaunchConfig::host_waits): ranks of one process that share a GPU cannot rely on their
 // kernels running at the same time, so the meeting kernel runs twice, publish only and wait only, and
 // this rank polls the flags in its own window in between, bounded by the buffer's timeout. Reads go
-// through the buffer's own non-blocking stream, which no peer's kernel waits on.
+// through the buffer's own non-blocking stream, which no peer's kernel waits on, into page-locked memory.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,6 +13,7 @@
 #include <chrono>
 #include <string>
 
+#include "backends/cuda/host_records.hpp"
 #include "kernels/common/buffer_layout.hpp"
 #include "transport/symmetric_memory.hpp"
 
@@ -49,6 +50,8 @@ class PeerWatch {
     // every sender's flags in this rank's window (read on the legacy stream, which does not wait for
     // the ranks' non-blocking streams).
     std::string diagnose() const;
+    // After `call_stream` drained: the device's epoch word (calls completed) and its timed-out word.
+    void read_epoch(cudaStream_t call_stream, uint64_t& epoch, int32_t& aborted);
     // Polls `read` (fills `seen` with every peer's word) until every word reaches `expected`.
     template <class Read>
     void poll(int32_t phase, uint64_t expected, int shift, Read&& read);
@@ -60,6 +63,10 @@ class PeerWatch {
     kernels::HostRecord* record_;
     kernels::Workspace ws_;
     cudaStream_t own_stream_;
+    // what the polls copy from the device: the epoch word and the timed-out word (first line), then
+    // every sender's dispatch flags (2 R) or R words
+    PinnedScratch scratch_;
+    static constexpr size_t kFlagsAt = 64;
 };
 
 }  // namespace elasticep::detail::cuda
