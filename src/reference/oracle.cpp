@@ -10,10 +10,14 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 namespace elasticep::reference {
 namespace {
@@ -34,6 +38,32 @@ int64_t up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 void require(bool cond, const std::string& what) {
     if (!cond) throw std::invalid_argument("reference oracle: " + what);
+}
+
+std::atomic<int> g_threads{0};
+
+// fn(i) for every i in [0, n), in contiguous chunks over the threads; every i writes only its own
+// outputs, so the results are those of the serial loop. The first exception is rethrown.
+template <class Fn>
+void for_each_index(int64_t n, Fn&& fn) {
+    const int nt = static_cast<int>(std::min<int64_t>(threads(), std::max<int64_t>(n, 1)));
+    if (nt <= 1) {
+        for (int64_t i = 0; i < n; ++i) fn(i);
+        return;
+    }
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(nt));
+    std::vector<std::thread> pool;
+    for (int w = 0; w < nt; ++w)
+        pool.emplace_back([&, w] {
+            try {
+                for (int64_t i = n * w / nt; i < n * (w + 1) / nt; ++i) fn(i);
+            } catch (...) {
+                errors[static_cast<size_t>(w)] = std::current_exception();
+            }
+        });
+    for (std::thread& t : pool) t.join();
+    for (const std::exception_ptr& e : errors)
+        if (e) std::rethrow_exception(e);
 }
 
 // Value of each E4M3 code by the OCP definition: (-1)^s * 2^(e-7) * (1 + m/8), subnormals
@@ -141,14 +171,18 @@ Plan plan_dispatch(const BufferConfig& cfg, int num_ranks, const std::vector<Ran
             std::memcpy(pl.data(), in.x_fp8.data(), pl.size());
             std::memcpy(sc.data(), in.x_scales.data(), sc.size() * 4);
         } else {
-            for (size_t t = 0; t < t_count; ++t)
+            for_each_index(static_cast<int64_t>(t_count), [&](int64_t ti) {
+                const auto t = static_cast<size_t>(ti);
                 quantize_row(&in.x[t * static_cast<size_t>(h_count)], h_count, cfg.scale_format, &pl[t * row_bytes],
                              &sc[t * static_cast<size_t>(scols)]);
+            });
         }
     }
 
-    for (int d = 0; d < num_ranks; ++d) {
-        RankDispatch r;
+    // each destination's outputs apart (a route has one destination: row_of entries are disjoint)
+    p.out.resize(static_cast<size_t>(num_ranks));
+    for_each_index(num_ranks, [&](int64_t d) {
+        RankDispatch& r = p.out[static_cast<size_t>(d)];
         r.counts.assign(static_cast<size_t>(e_local), 0);
         // rows of each local expert, in (s, t) order: (s, t, k)
         std::vector<std::vector<std::array<int64_t, 3>>> lists(static_cast<size_t>(e_local));
@@ -206,12 +240,18 @@ Plan plan_dispatch(const BufferConfig& cfg, int num_ranks, const std::vector<Ran
                 p.row_of[static_cast<size_t>(s)][static_cast<size_t>(t * k_count + k)] = row;
             }
         }
-        p.out.push_back(std::move(r));
-    }
+    });
     return p;
 }
 
 }  // namespace
+
+void set_threads(int n) { g_threads.store(std::max(n, 0)); }
+
+int threads() {
+    const int n = g_threads.load();
+    return n > 0 ? n : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
 
 float float_from_bf16(uint16_t b) { return from_bits(static_cast<uint32_t>(b) << 16); }
 
@@ -314,7 +354,8 @@ std::vector<std::vector<uint16_t>> combine(const BufferConfig& config, int num_r
         const auto& row_of = p.row_of[static_cast<size_t>(s)];
         auto& o = out[static_cast<size_t>(s)];
         o.resize(t_count * h_count);
-        for (size_t t = 0; t < t_count; ++t) {
+        for_each_index(static_cast<int64_t>(t_count), [&](int64_t ti) {
+            const auto t = static_cast<size_t>(ti);
             // destination ranks in order of the first k naming each
             std::vector<int64_t> dests;
             for (int k = 0; k < k_count; ++k) {
@@ -361,7 +402,7 @@ std::vector<std::vector<uint16_t>> combine(const BufferConfig& config, int num_r
                 }
                 o[t * h_count + h] = bf16_from_float(acc);
             }
-        }
+        });
     }
     return out;
 }

@@ -67,6 +67,12 @@ struct InvalidRoute {
 };
 InvalidRoute first_invalid_route(const BufferConfig& config, const RankInput& input);
 
+// Threads the oracle's loops over tokens and destination ranks use: 0 (the default) means
+// std::thread::hardware_concurrency(). Each output element is computed by one thread with the same
+// arithmetic as a serial loop, so no result depends on it (tests/unit/test_oracle_threads.cpp).
+void set_threads(int n);
+int threads();
+
 // Independent scalar references (used by the conversion tests).
 uint8_t e4m3_from_float(float v);   // nearest of the 256 codes by exhaustive search, ties to even
 uint16_t bf16_from_float(float v);  // round to nearest even; every NaN -> 0x7fc0
