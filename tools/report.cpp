@@ -115,7 +115,10 @@ std::string format_report(const std::vector<BenchReport>& reports) {
     os << "rounds: " << s.rounds << " timed + " << s.warmup << " warm-up per row, seed " << s.seed
        << "; latency = the slowest rank per round, median of the timed rounds; isolated: the ranks meet at a barrier "
           "before every call";
-    if (s.back_to_back) os << "; b2b: the rounds enqueued back to back, no host synchronisation";
+    if (s.back_to_back)
+        os << "; b2b: the rounds enqueued back to back, no host synchronisation between the calls"
+           << (s.host_sync && s.layout == Layout::kExpertContiguous ? " (a host-sync dispatch still waits for M inside)"
+                                                                    : "");
     os << "\nbytes: one " << first.traffic.message_bytes << " B message per token and destination rank; combine "
        << "returns one " << first.traffic.partial_bytes << " B bf16 row per message; GB/s = peer bytes / isolated "
        << "median";
