@@ -154,6 +154,19 @@ struct Scenario {
     }
 };
 
+// A scenario of R ranks with E experts, top-K, hidden H and capacity C, every rank at C tokens
+// (the rest as Scenario's defaults).
+inline Scenario base_scenario(int r, int e, int k, int h, int c) {
+    Scenario s;
+    s.num_ranks = r;
+    s.cfg.num_experts = e;
+    s.cfg.num_topk = k;
+    s.cfg.hidden = h;
+    s.cfg.max_tokens_per_rank = c;
+    s.tokens.assign(static_cast<size_t>(r), c);
+    return s;
+}
+
 struct RankData {
     ref::RankInput in;
     int64_t x_stride = 0, s_stride = 0, idx_stride = 0, w_stride = 0;

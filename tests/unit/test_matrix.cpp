@@ -7,17 +7,6 @@
 namespace eptest {
 namespace {
 
-Scenario base(int r, int e, int k, int h, int c) {
-    Scenario s;
-    s.num_ranks = r;
-    s.cfg.num_experts = e;
-    s.cfg.num_topk = k;
-    s.cfg.hidden = h;
-    s.cfg.max_tokens_per_rank = c;
-    s.tokens.assign(static_cast<size_t>(r), c);
-    return s;
-}
-
 Scenario fp8(Scenario s, ScaleFormat f, bool prequantized = false) {
     s.cfg.payload = Payload::kFP8;
     s.cfg.scale_format = f;
@@ -35,7 +24,7 @@ std::vector<Scenario> edge_cases() {
     // every rank empty, contiguous and masked, host sync and graph mode
     for (Layout l : {Layout::kExpertContiguous, Layout::kExpertMasked})
         for (bool sync : {true, false}) {
-            Scenario s = base(3, 6, 2, 128, 4);
+            Scenario s = base_scenario(3, 6, 2, 128, 4);
             s.tokens = {0, 0, 0};
             s.opt.layout = l;
             s.opt.host_sync = sync;
@@ -44,7 +33,7 @@ std::vector<Scenario> edge_cases() {
         }
     // all routes -1: every token combines to bf16(bias or 0)
     for (bool with_bias : {false, true}) {
-        Scenario s = base(2, 4, 2, 128, 3);
+        Scenario s = base_scenario(2, 4, 2, 128, 3);
         s.routing = Routing::kNone;
         s.bias = with_bias;
         s.opt.expert_alignment = 128;
@@ -52,7 +41,7 @@ std::vector<Scenario> edge_cases() {
     }
     // one hot expert at full capacity, aligned, graph mode, caller outputs
     {
-        Scenario s = base(4, 8, 2, 384, 5);
+        Scenario s = base_scenario(4, 8, 2, 384, 5);
         s.routing = Routing::kHotExpert;
         s.opt.expert_alignment = 128;
         s.opt.host_sync = false;
@@ -62,10 +51,10 @@ std::vector<Scenario> edge_cases() {
     }
     // R=1 and R=8 with uneven T (one rank empty)
     {
-        Scenario s = base(1, 3, 2, 128, 6);
+        Scenario s = base_scenario(1, 3, 2, 128, 6);
         s.tokens = {5};
         add(s);
-        Scenario m = base(8, 16, 8, 128, 4);
+        Scenario m = base_scenario(8, 16, 8, 128, 4);
         m.tokens = {0, 4, 1, 3, 4, 2, 0, 1};
         m.opt.layout = Layout::kExpertMasked;
         add(m);
@@ -78,7 +67,7 @@ std::vector<Scenario> edge_cases() {
     }
     // combine stress: K = 8 routes over 2 ranks (several routes per partial), weighted, bias
     for (bool masked : {false, true}) {
-        Scenario s = base(2, 16, 8, 256, 16);
+        Scenario s = base_scenario(2, 16, 8, 256, 16);
         s.p_none = 0.0;
         s.bias = true;
         s.opt.layout = masked ? Layout::kExpertMasked : Layout::kExpertContiguous;
@@ -86,7 +75,7 @@ std::vector<Scenario> edge_cases() {
     }
     // K larger than E_local (a token sends one message per rank carrying several routes)
     {
-        Scenario s = base(2, 4, 2, 128, 5);
+        Scenario s = base_scenario(2, 4, 2, 128, 5);
         s.p_none = 0.0;
         s.routing = Routing::kRandom;
         s.weighted = false;
@@ -95,7 +84,7 @@ std::vector<Scenario> edge_cases() {
     // H = 7168 (DeepSeek), few small-T cases: bf16, each scale format quantized in dispatch, and
     // pre-quantized input moved as is
     {
-        Scenario s = base(2, 8, 8, 7168, 2);
+        Scenario s = base_scenario(2, 8, 8, 7168, 2);
         s.tokens = {2, 1};
         add(s);
         add(fp8(s, ScaleFormat::kF32G128));
@@ -119,7 +108,7 @@ std::vector<Scenario> edge_cases() {
         for (Layout l : {Layout::kExpertContiguous, Layout::kExpertMasked})
             for (bool mn : {false, true})
                 for (bool pre : {false, true}) {
-                    Scenario s = fp8(base(3, 6, 2, 384, 3), f, pre);
+                    Scenario s = fp8(base_scenario(3, 6, 2, 384, 3), f, pre);
                     s.tokens = {3, 1, 2};
                     s.opt.layout = l;
                     s.mn_major = mn;
@@ -131,7 +120,7 @@ std::vector<Scenario> edge_cases() {
     // graph mode with invalid routes: dropped, outputs equal the oracle's
     for (Layout l : {Layout::kExpertContiguous, Layout::kExpertMasked})
         for (bool i64 : {false, true}) {
-            Scenario s = base(3, 9, 3, 128, 6);
+            Scenario s = base_scenario(3, 9, 3, 128, 6);
             s.routing = Routing::kInvalid;
             s.opt.layout = l;
             s.opt.host_sync = false;
@@ -152,7 +141,7 @@ std::vector<Scenario> sampled_cases(int count) {
         const bool big = rng.chance(0.06) && r <= 2;
         const int h = big ? 7168 : rng.pick(std::vector<int>{128, 384, 384, 128, 256});
         const int c = big ? rng.uniform(1, 2) : rng.uniform(1, r >= 8 ? 8 : 16);
-        Scenario s = base(r, r * e_local, k, h, c);
+        Scenario s = base_scenario(r, r * e_local, k, h, c);
         for (auto& t : s.tokens) {
             const int kind = rng.uniform(0, 3);
             t = kind == 0 ? 0 : kind == 1 ? 1 : kind == 2 ? c : rng.uniform(0, c);

@@ -63,16 +63,6 @@ void expect_same(const OracleRun& a, const OracleRun& b, const std::string& what
     EXPECT_EQ(a.out, b.out) << what << ": combine outputs";
 }
 
-Scenario base_scenario(int ranks, int experts, int topk, int hidden, int cap) {
-    Scenario sc;
-    sc.num_ranks = ranks;
-    sc.cfg.num_experts = experts;
-    sc.cfg.num_topk = topk;
-    sc.cfg.hidden = hidden;
-    sc.cfg.max_tokens_per_rank = cap;
-    return sc;
-}
-
 TEST(OracleThreads, ResultsDoNotDependOnTheThreadCount) {
     std::vector<Scenario> cases;
     {  // fp8 f32_g128, contiguous with alignment, host sync, bias, ranks with 0 and 1 token
