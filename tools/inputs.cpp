@@ -1,16 +1,13 @@
 #include "inputs.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
-#include <exception>
 #include <functional>
-#include <mutex>
 #include <numeric>
-#include <thread>
 
 #include "core/numerics.hpp"
+#include "core/parallel.hpp"
 
 namespace elasticep::cli {
 namespace {
@@ -44,25 +41,7 @@ float activation(Rng& rng, int channel) {
 }  // namespace
 
 void parallel_for(int n, const std::function<void(int)>& fn) {
-    const int workers = std::max(1, std::min<int>(n, static_cast<int>(std::thread::hardware_concurrency())));
-    std::atomic<int> next{0};
-    std::exception_ptr error;
-    std::mutex mu;
-    auto body = [&] {
-        for (int i; (i = next.fetch_add(1)) < n;) {
-            try {
-                fn(i);
-            } catch (...) {
-                std::lock_guard<std::mutex> lock(mu);
-                if (!error) error = std::current_exception();
-            }
-        }
-    };
-    std::vector<std::thread> pool;
-    for (int w = 1; w < workers; ++w) pool.emplace_back(body);
-    body();
-    for (auto& t : pool) t.join();
-    if (error) std::rethrow_exception(error);
+    detail::parallel_for(n, detail::hardware_threads(), [&](int64_t i) { fn(static_cast<int>(i)); });
 }
 
 std::vector<RankData> make_inputs(const Scenario& s) {

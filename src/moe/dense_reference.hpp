@@ -26,9 +26,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
 
+#include "core/parallel.hpp"
 #include "elasticep/serving.hpp"
 
 namespace elasticep::moe_ref {
@@ -204,22 +204,9 @@ Tracked moe_token(const uint16_t* x, int64_t h, const int64_t* idx, const float*
     return out;
 }
 
-// fn(i) for i in [0, n) on up to `threads` threads (the reference is the slow part of a check).
-template <class Fn>
-void parallel_for(int64_t n, int threads, Fn&& fn) {
-    const int t = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, n)));
-    std::vector<std::thread> pool;
-    for (int i = 0; i < t; ++i)
-        pool.emplace_back([&, i] {
-            for (int64_t j = i; j < n; j += t) fn(j);
-        });
-    for (auto& th : pool) th.join();
-}
-
-inline int hardware_threads() {
-    const unsigned n = std::thread::hardware_concurrency();
-    return n == 0 ? 1 : static_cast<int>(n);
-}
+// fn(i) for i in [0, n) on up to `threads` threads (the reference is the slow part of a check)
+using detail::hardware_threads;
+using detail::parallel_for;
 
 // How far a tested output is from the reference, in the model's units.
 struct Comparison {

@@ -13,11 +13,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <exception>
 #include <stdexcept>
 #include <string>
-#include <thread>
-#include <vector>
+#include <utility>
+
+#include "core/parallel.hpp"  // threads only: no numerics of the library
 
 namespace elasticep::reference {
 namespace {
@@ -42,28 +42,10 @@ void require(bool cond, const std::string& what) {
 
 std::atomic<int> g_threads{0};
 
-// fn(i) for every i in [0, n), in contiguous chunks over the threads; every i writes only its own
-// outputs, so the results are those of the serial loop. The first exception is rethrown.
+// the oracle's loops over tokens and destinations (disjoint outputs: the serial loop's results)
 template <class Fn>
 void for_each_index(int64_t n, Fn&& fn) {
-    const int nt = static_cast<int>(std::min<int64_t>(threads(), std::max<int64_t>(n, 1)));
-    if (nt <= 1) {
-        for (int64_t i = 0; i < n; ++i) fn(i);
-        return;
-    }
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(nt));
-    std::vector<std::thread> pool;
-    for (int w = 0; w < nt; ++w)
-        pool.emplace_back([&, w] {
-            try {
-                for (int64_t i = n * w / nt; i < n * (w + 1) / nt; ++i) fn(i);
-            } catch (...) {
-                errors[static_cast<size_t>(w)] = std::current_exception();
-            }
-        });
-    for (std::thread& t : pool) t.join();
-    for (const std::exception_ptr& e : errors)
-        if (e) std::rethrow_exception(e);
+    detail::parallel_for(n, threads(), std::forward<Fn>(fn));
 }
 
 // Value of each E4M3 code by the OCP definition: (-1)^s * 2^(e-7) * (1 + m/8), subnormals
@@ -250,7 +232,7 @@ void set_threads(int n) { g_threads.store(std::max(n, 0)); }
 
 int threads() {
     const int n = g_threads.load();
-    return n > 0 ? n : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    return n > 0 ? n : detail::hardware_threads();
 }
 
 float float_from_bf16(uint16_t b) { return from_bits(static_cast<uint32_t>(b) << 16); }
