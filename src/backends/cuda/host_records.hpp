@@ -39,10 +39,9 @@ class PinnedScratch {
     PinnedScratch& operator=(const PinnedScratch&) = delete;
 
     void* data() const { return ptr_; }
-    size_t bytes() const { return bytes_; }  // at least the bytes asked for
 
  private:
-    size_t bytes_ = 0;
+    size_t bytes_ = 0;  // the size class: the pool list it goes back to
     void* ptr_ = nullptr;
 };
 
