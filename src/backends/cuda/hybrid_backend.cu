@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "backends/cuda/device_outputs.hpp"
+#include "backends/cuda/host_records.hpp"
 #include "backends/cuda/hybrid_launch.hpp"
 #include "backends/cuda/launch_config.hpp"
 #include "core/backend.hpp"
@@ -193,6 +194,9 @@ class CudaHybridBackend final : public BackendBuffer {
             ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.first_bad_route, 0xff, sizeof(*ws_.first_bad_route), own_stream_));
             outputs_ = std::make_unique<cuda::DeviceOutputs>(cfg_, num_ranks_, rank_, dev_, own_stream_);
             record_ = std::make_unique<RecordLease>();
+            // the host waits' copies land in page-locked memory (host_records.hpp: pageable polls
+            // of ranks sharing a GPU slowed each other down): the epoch line, then up to R words
+            poll_ = std::make_unique<cuda::PinnedScratch>(64 + 8 * static_cast<size_t>(num_ranks_));
             ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
         } catch (...) {
             failure = std::current_exception();
@@ -674,19 +678,25 @@ class CudaHybridBackend final : public BackendBuffer {
         ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
         uint64_t epoch = 0;
         int32_t dead = 0;
-        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(&epoch, ws_.epoch, sizeof(epoch), cudaMemcpyDeviceToHost, own_stream_));
+        auto* line = static_cast<uint8_t*>(poll_->data());
+        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(line, ws_.epoch, sizeof(epoch), cudaMemcpyDeviceToHost, own_stream_));
         ELASTICEP_CUDA_CALL(
-            cudaMemcpyAsync(&dead, &ws_.state->timed_out, sizeof(dead), cudaMemcpyDeviceToHost, own_stream_));
+            cudaMemcpyAsync(line + 8, &ws_.state->timed_out, sizeof(dead), cudaMemcpyDeviceToHost, own_stream_));
         ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+        std::memcpy(&epoch, line, sizeof(epoch));
+        std::memcpy(&dead, line + 8, sizeof(dead));
         if (dead) return;  // an earlier wait expired: the kernels do nothing, raise_faults reports it
         const int64_t parity = static_cast<int64_t>(epoch & 1) * w.parity_stride;
+        ELASTICEP_INTERNAL(w.count >= 0 && w.count <= num_ranks_, "hybrid host wait over ", w.count, " words");
         std::vector<uint64_t> words(static_cast<size_t>(w.count));
+        auto* landed = reinterpret_cast<uint64_t*>(line + 64);
         const auto start = std::chrono::steady_clock::now();
         for (int spins = 0;; ++spins) {
-            ELASTICEP_CUDA_CALL(cudaMemcpy2DAsync(words.data(), 8, w.base + w.offset + parity,
-                                                  static_cast<size_t>(w.stride), 8, static_cast<size_t>(w.count),
-                                                  cudaMemcpyDeviceToHost, own_stream_));
+            ELASTICEP_CUDA_CALL(cudaMemcpy2DAsync(landed, 8, w.base + w.offset + parity, static_cast<size_t>(w.stride),
+                                                  8, static_cast<size_t>(w.count), cudaMemcpyDeviceToHost,
+                                                  own_stream_));
             ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
+            std::memcpy(words.data(), landed, words.size() * sizeof(uint64_t));
             MissingPeers m{};
             m.observed = epoch;
             for (int i = 0; i < w.count; ++i) {
@@ -780,6 +790,7 @@ class CudaHybridBackend final : public BackendBuffer {
     hk::HybridWorkspace ws_{};
     std::unique_ptr<cuda::DeviceOutputs> outputs_;
     std::unique_ptr<RecordLease> record_;
+    std::unique_ptr<cuda::PinnedScratch> poll_;
     std::unique_ptr<transport::SubGroup> node_group_, rail_group_;
     std::unique_ptr<transport::SymmetricMemory> node_mem_;
     std::unique_ptr<so::Rail> rail_;
