@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 
+#include "common/scoped_env.hpp"
 #include "core/numerics.hpp"
 #include "gpu_harness.hpp"
 #include "moe/dense_reference.hpp"
@@ -544,6 +545,21 @@ TEST(ServingGpu, DecodeLayerReplaysFromACudaGraph) {
                                     .capacity = 8,
                                     .tokens = std::vector<int64_t>(static_cast<size_t>(ranks), 7),
                                     .graph = true});
+}
+
+// The same replays on the direct path (two ranks as threads on this GPU). Its kernels once waited
+// for their peers in every block of one grid, which deadlocked here beside the layer's GEMMs
+// (device run of 2026-12-01); now one block of a rank waits at a time.
+TEST(ServingGpu, DecodeLayerReplaysFromACudaGraphOnTheDirectPath) {
+    ELASTICEP_SKIP_WITHOUT_GPU();
+    const ScopedEnv direct("ELASTICEP_KERNEL_VARIANT", "direct");
+    for (auto p : {WeightPlacement::kCombine, WeightPlacement::kAdapter})
+        run_layer_gpu(LayerCase{.ranks = 2,
+                                .phase = Phase::kDecode,
+                                .placement = p,
+                                .capacity = 8,
+                                .tokens = std::vector<int64_t>(2, 7),
+                                .graph = true});
 }
 
 }  // namespace

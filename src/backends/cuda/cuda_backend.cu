@@ -225,8 +225,11 @@ class CudaBackend final : public BackendBuffer {
                                 all[0].direct ? "the direct" : "the staged", " path with ", all[0].ring,
                                 "; every rank must see the same ELASTICEP_KERNEL_VARIANT and ELASTICEP_STAGING_BYTES");
             direct_ = path.direct;
-            // the direct kernels' grids wait for each other: every block of every rank of this GPU
-            // must be resident at once, so a rank uses at most its share of the SMs
+            // a rank's direct grids take at most its share of the SMs (they share the HBM; the
+            // one-kernel variant also needs every block of every rank of this GPU resident at once).
+            // The variant comes from the environment of this one process, the same for every rank.
+            if (const char* v = std::getenv("ELASTICEP_DIRECT_ONE_KERNEL"); v && std::string(v) == "1")
+                direct_one_kernel_ = direct_;
             if (direct_) grid_sms_ = std::min(launch_.num_sms, std::max(1, device_sms / where.ranks_on_my_gpu));
             shape_ = make_shape(cfg_, num_ranks_, ring, direct_);
             region_ = RegionLayout::make(shape_);
@@ -368,7 +371,6 @@ class CudaBackend final : public BackendBuffer {
             }
             run_direct([&](int grid) { cuda::launch_direct_dispatch(p, modes, grid, stream); }, p, stream, capturing,
                        kPhaseDispatch, region_.plan_flags, region_.sent_flags, 1, true);
-            stages_.mark("direct");
             if (p.host_sync) {
                 ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
                 watch_->raise_faults();
@@ -471,7 +473,6 @@ class CudaBackend final : public BackendBuffer {
         if (direct_) {
             run_direct([&](int grid) { cuda::launch_direct_combine(p, nodes, grid, stream); }, p, stream, capturing,
                        kPhaseCombine, region_.ready_flags, region_.done_flags, 0, false);
-            stages_.mark("direct");
         } else {
             const int grid = 2 * (handle.num_sms > 0 ? handle.num_sms : launch_.num_sms);
             cuda::launch_partial(p, args.weighted, grid, stream);
@@ -536,27 +537,36 @@ class CudaBackend final : public BackendBuffer {
         p.step = 0;
     }
 
-    // A direct kernel: one launch with device waits, or, with host waits (never inside a capture),
-    // publish (one block, or the whole grid when the publish step plans: `grid_publishes`) -> host
-    // wait for the first flags -> move -> host wait for the second -> finish (one block).
+    // A direct kernel's steps. Device waits: publish and meet (one block, or the grid when the
+    // publish step plans: `grid_publishes`; the block that publishes then waits for the first flags)
+    // -> move and finish (the grid, which finds them set; its last block waits for the second): no
+    // more than one block of a rank waits for peers at a time. Host waits (never inside a capture):
+    // publish -> host wait for the first flags -> move -> host wait for the second -> finish (one
+    // block).
+    // ELASTICEP_DIRECT_ONE_KERNEL=1 (measurement only): one launch of every step, every block waiting,
+    // which needs every rank's grid resident at once (nothing else on the GPU).
     // `epoch_delta`: the flags carry ws.epoch + 1 (dispatch) or ws.epoch (combine).
     template <class Launch>
     void run_direct(Launch&& launch, kernels::CallParams<cuda::Team>& p, cudaStream_t stream, bool capturing,
                     int32_t phase, int64_t first_flags, int64_t second_flags, uint64_t epoch_delta,
                     bool grid_publishes) {
         const int grid = grid_sms_ * direct_blocks_per_sm_;
+        auto step = [&](int32_t which, int blocks, const char* name) {
+            p.step = which;
+            launch(blocks);
+            stages_.mark(name);
+        };
         if (launch_.host_waits && !capturing) {
-            p.step = kernels::kStepPublish;
-            launch(grid_publishes ? grid : 1);
+            step(kernels::kStepPublish, grid_publishes ? grid : 1, "direct publish");
             watch_->host_wait_words(stream, phase, first_flags, epoch_delta);
-            p.step = kernels::kStepMove;
-            launch(grid);
+            step(kernels::kStepMove, grid, "direct move");
             watch_->host_wait_words(stream, phase, second_flags, epoch_delta);
-            p.step = kernels::kStepFinish;
-            launch(1);
+            step(kernels::kStepFinish, 1, "direct finish");
+        } else if (direct_one_kernel_) {
+            step(kernels::kStepAll, grid, "direct (one kernel)");
         } else {
-            p.step = kernels::kStepAll;
-            launch(grid);
+            step(kernels::kStepPublishMeet, grid_publishes ? grid : 1, "direct publish and meet");
+            step(kernels::kStepMoveFinish, grid, "direct move and finish");
         }
         p.step = 0;
     }
@@ -605,8 +615,9 @@ class CudaBackend final : public BackendBuffer {
     transport::Placement where_{};
     cuda::LaunchConfig launch_;
     bool direct_ = false;
-    int grid_sms_ = 1;              // direct: SMs of this rank's grids (its share of the GPU)
-    int direct_blocks_per_sm_ = 1;  // direct: resident blocks per SM (occupancy calculator)
+    int grid_sms_ = 1;                // direct: SMs of this rank's grids (its share of the GPU)
+    int direct_blocks_per_sm_ = 1;    // direct: resident blocks per SM (occupancy calculator)
+    bool direct_one_kernel_ = false;  // ELASTICEP_DIRECT_ONE_KERNEL=1: kStepAll (run_direct)
     cudaStream_t own_stream_ = nullptr;
     cudaEvent_t last_event_ = nullptr;
     bool has_event_ = false;

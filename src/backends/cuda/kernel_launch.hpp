@@ -37,11 +37,12 @@ void launch_reduce(const CombineParams& p, bool bias, bool nodes, int grid, cuda
 void launch_reduce(const CombineParams& p, bool bias, int grid, cudaStream_t stream);
 
 // direct path (src/kernels/intranode/direct.cuh); p.step says which steps run, `grid` is 1 for
-// kStepPublish and kStepFinish
+// kStepFinish and the combine's kStepPublish and kStepPublishMeet
 void launch_direct_dispatch(const DispatchParams& p, const DispatchModes& modes, int grid, cudaStream_t stream);
 void launch_direct_combine(const CombineParams& p, bool nodes, int grid, cudaStream_t stream);
 // Resident blocks per SM of the direct kernels (the occupancy calculator; at most 2): their grid is
-// the rank's SM share times this, so every block of every rank can wait at once.
+// the rank's SM share times this (so that, in the one-kernel variant, every block of every rank can
+// wait at once).
 int direct_blocks_per_sm();
 
 // Loads every instantiation now (cudaFuncGetAttributes): CUDA's lazy loading mid-protocol could

@@ -5,11 +5,17 @@
 // src/core/protocol.hpp holds with "message" read as "row": what is published, when, and the route
 // status are the same; the window holds only flags and what each rank publishes (RegionLayout).
 //
-// direct_dispatch_kernel  grid = SM share x occupancy (every block of every rank resident at once:
-//     the host sizes it with the occupancy calculator), block kThreads, dynamic shared memory
-//     direct_dispatch_smem_bytes. One launch does every step with device waits (kStepAll); with host
-//     waits the host launches kStepPublish (plan and publish), waits for the plan flags, kStepMove,
-//     waits for the sent flags, kStepFinish (one block).
+// direct_dispatch_kernel  grid = SM share x occupancy, block kThreads, dynamic shared memory
+//     direct_dispatch_smem_bytes. Device waits: two launches, kStepPublishMeet (plan and publish; the
+//     block that publishes then waits for every plan flag) and kStepMoveFinish (tables and move; the
+//     last block to finish then waits for every sent flag). Only one block of a rank waits for peers
+//     at a time, while the rest of its grid has exited, as in the staged path's one-block kernels: a
+//     grid whose blocks all waited for the peers' grids would need every rank's grid resident at
+//     once, which other kernels on the GPU (a rank's GEMM, a graph replay) can prevent; that deadlocked
+//     a test (docs/PERFORMANCE.md, "Two paths"). With host waits the host launches kStepPublish,
+//     waits for the plan flags, kStepMove, waits for the sent flags, kStepFinish (one block).
+//     kStepAll (one launch doing every step, every block waiting) is the measurement-only variant
+//     ELASTICEP_DIRECT_ONE_KERNEL=1, which needs the GPU to itself.
 //   plan      every block reads every token's top-k row once, chunk by chunk (one thread per token:
 //             ids checked, repeats dropped), into a bitmap of the chunk's tokens per expert in shared
 //             memory, so a route's position among the rank's routes to its expert (t ascending) is a
@@ -33,7 +39,8 @@
 //             sent flag.
 //   finish    block 0 waits (bounded) for every sender's sent flag: this rank's outputs are complete.
 //             It advances ws.epoch.
-// direct_combine_kernel  grid and steps as above (publish, move, finish).
+// direct_combine_kernel  grid and steps as above; device waits: kStepPublishMeet (one block publishes
+//     and waits for every ready flag), kStepMoveFinish (the last block waits for every done flag).
 //   publish   block 0 writes this call's y pointer into its own window and signals every peer's
 //             ready flag.
 //   move      every block waits for every holder's ready flag, then warps take RowSlices of this
@@ -50,7 +57,16 @@
 
 namespace elasticep::kernels {
 
-enum DirectStep : int32_t { kStepAll = 0, kStepPublish = 1, kStepMove = 2, kStepFinish = 3 };
+// kStepPublishMeet: publish, then one block waits for the first flags (dispatch: plan; combine:
+// ready); kStepMoveFinish: move, then the last block waits for the second (sent; done).
+enum DirectStep : int32_t {
+    kStepAll = 0,
+    kStepPublish = 1,
+    kStepMove = 2,
+    kStepFinish = 3,
+    kStepPublishMeet = 4,
+    kStepMoveFinish = 5
+};
 
 constexpr int kDirectMaxRanks = 64;      // senders dropped as corrupt are one 64-bit mask
 constexpr int kDirectMaxExperts = 2048;  // per-expert tables in shared memory
@@ -207,8 +223,14 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 Team::fence_gpu();
                 __syncthreads();
                 for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.plan_flag(rank), epoch);
+                // the rest of the grid has exited: this one block waits for every sender's plan
+                if (step == kStepPublishMeet && threadIdx.x == 0 &&
+                    wait_all<true>(
+                        team, [&](int q) { return region.plan_flag(q); }, epoch, Deadline::from_now(p.timeout_ns),
+                        kPhaseDispatch, p.record) != WaitStatus::kOk)
+                    p.ws.state->timed_out = 1;
             }
-            if (step == kStepPublish) return;
+            if (step == kStepPublish || step == kStepPublishMeet) return;
         }
 
         // ---- tables: every sender's counts and status ----
@@ -516,16 +538,20 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 }
             }
         }
-        // ---- every block done: the last one tells every receiver ----
+        // ---- every block done: the last one tells every receiver (and, kStepMoveFinish, finishes) ----
+        bool finisher = blockIdx.x == 0;
         if (!ok) {
             if (blockIdx.x != 0) return;
-        } else if (last_block_arrives(&p.ws.arrive[0])) {
-            for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.sent_flag(rank), epoch);
+        } else {
+            const bool last = last_block_arrives(&p.ws.arrive[0]);
+            if (last)
+                for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.sent_flag(rank), epoch);
+            if (step == kStepMoveFinish) finisher = last;
         }
-        if (step == kStepMove) return;
+        if (step == kStepMove || !finisher) return;
     }
-    // ---- finish (block 0): every sender wrote its rows here ----
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    // ---- finish (block 0, or kStepMoveFinish's last block): every sender wrote its rows here ----
+    if ((step == kStepFinish && blockIdx.x != 0) || threadIdx.x != 0) return;
     if (p.ws.state->timed_out == 0 &&
         wait_all<true>(
             team, [&](int q) { return region.sent_flag(q); }, epoch, Deadline::from_now(p.timeout_ns), kPhaseDispatch,
@@ -562,6 +588,13 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
             for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.ready_flag(rank), epoch);
         }
         if (step == kStepPublish) return;
+        if (step == kStepPublishMeet) {  // one block: every holder's y is published
+            if (threadIdx.x == 0 && wait_all<true>(
+                                        team, [&](int q) { return region.ready_flag(q); }, epoch,
+                                        Deadline::from_now(p.timeout_ns), kPhaseCombine, p.record) != WaitStatus::kOk)
+                p.ws.state->timed_out = 1;
+            return;
+        }
         // ---- move: every holder's y, this rank's tokens reduced ----
         if (threadIdx.x == 0) {
             ok = wait_all<true>(
@@ -650,12 +683,13 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
             }
             (void)n_dest;
         }
-        if (last_block_arrives(&p.ws.arrive[1]))
+        const bool last = last_block_arrives(&p.ws.arrive[1]);
+        if (last)
             for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.done_flag(rank), epoch);
-        if (step == kStepMove) return;
+        if (step == kStepMove || (step == kStepMoveFinish ? !last : blockIdx.x != 0)) return;
     }
-    // ---- finish (block 0): no origin reads this rank's y any more ----
-    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    // ---- finish (block 0, or kStepMoveFinish's last block): no origin reads this rank's y any more ----
+    if ((step == kStepFinish && blockIdx.x != 0) || threadIdx.x != 0) return;
     if (wait_all<true>(
             team, [&](int q) { return region.done_flag(q); }, epoch, Deadline::from_now(p.timeout_ns), kPhaseCombine,
             p.record) != WaitStatus::kOk)
