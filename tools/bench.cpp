@@ -489,7 +489,10 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
         BufferConfig rank_cfg = cfg;
         rank_cfg.device = dev->device();
         auto buf = Buffer::create(group, rank_cfg, rep.backend);
-        if (r == 0) rep.scaleout = buf->scaleout();
+        if (r == 0) {
+            rep.scaleout = buf->scaleout();
+            rep.kernel_path = buf->kernel_path();
+        }
         const int64_t t_count = in.input.num_tokens;
 
         DispatchArgs args;

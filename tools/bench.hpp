@@ -99,8 +99,9 @@ struct BenchReport {
     std::vector<std::string> failures;  // first mismatches, "round r rank d: ..."
     double hbm_gbps = 0;                // the floor's denominator, 0 when no floor is shown
     bool hbm_measured = false;
-    std::string gpu;       // GPU name (cuda)
-    std::string scaleout;  // the network hop the buffers used (Buffer::scaleout(): "none" for direct)
+    std::string gpu;          // GPU name (cuda)
+    std::string scaleout;     // the network hop the buffers used (Buffer::scaleout(): "none" for direct)
+    std::string kernel_path;  // Buffer::kernel_path(): "reference", "direct", "staged" or "hybrid"
     double setup_s = 0, oracle_s = 0, wall_s = 0;
 };
 

@@ -112,6 +112,7 @@ std::string format_report(const std::vector<BenchReport>& reports) {
     os << "elasticep bench: " << backend_name(first.backend) << " backend"
        << (first.gpu.empty() ? "" : " (" + first.gpu + ")") << ", " << s.describe() << "\n";
     if (s.topology == Topology::kHybrid) os << "network hop: " << first.scaleout << "\n";
+    if (cuda) os << "kernel path: " << first.kernel_path << "\n";
     os << "rounds: " << s.rounds << " timed + " << s.warmup << " warm-up per row, seed " << s.seed
        << "; latency = the slowest rank per round, median of the timed rounds; isolated: the ranks meet at a barrier "
           "before every call";
@@ -209,6 +210,7 @@ std::string report_json(const std::vector<BenchReport>& reports, int indent) {
         j["backend"] = backend_name(first.backend);
         j["gpu"] = first.gpu.empty() ? Json() : Json(first.gpu);
         j["scaleout"] = first.scaleout;
+        j["kernel_path"] = first.kernel_path;
         j["scenario"] = {
             {"ranks", s.num_ranks},
             {"gpus", first.backend == BackendKind::kCUDA ? Json(s.num_gpus) : Json()},

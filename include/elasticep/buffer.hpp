@@ -131,6 +131,12 @@ class Buffer {
     // The network hop this buffer uses: "emulated", "nccl" or "gin" for topology=hybrid with several
     // nodes (what scaleout=auto chose), "none" otherwise.
     std::string scaleout() const;
+    // The implementation this buffer's calls run, chosen when it was built (the same on every rank):
+    // "reference" (CPU backend); CUDA: "direct" (every rank a thread of this process on this GPU:
+    // rows written once into the receivers' outputs), "staged" (every other placement, or
+    // ELASTICEP_KERNEL_VARIANT=staged: messages through the receivers' windows), "hybrid"
+    // (topology=hybrid). docs/PERFORMANCE.md, "Two paths".
+    std::string kernel_path() const;
     int rank() const;
     int num_ranks() const;
     int num_local_experts() const;

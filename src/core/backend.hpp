@@ -55,6 +55,8 @@ class BackendBuffer {
     virtual void reset_expert_load() = 0;
     // Buffer::scaleout(): the network transport of a hybrid buffer with several nodes, else "none".
     virtual std::string scaleout() const { return "none"; }
+    // Buffer::kernel_path(): the implementation a call runs ("reference" for the CPU backend).
+    virtual std::string kernel_path() const { return "reference"; }
     // Test-only fault injection (core/testing.hpp): lets a test play a peer that breaks the protocol.
     virtual void set_dispatch_forger(testing::DispatchForger) {
         raise(ErrorCode::kUnsupported,

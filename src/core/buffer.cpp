@@ -641,6 +641,7 @@ void Buffer::reset_expert_load() { impl_->reset_expert_load(); }
 const BufferConfig& Buffer::config() const { return impl_->config_; }
 BackendKind Buffer::backend() const { return impl_->backend_kind_; }
 std::string Buffer::scaleout() const { return impl_->backend_->scaleout(); }
+std::string Buffer::kernel_path() const { return impl_->backend_->kernel_path(); }
 int Buffer::rank() const { return impl_->rank_; }
 int Buffer::num_ranks() const { return impl_->num_ranks_; }
 int Buffer::num_local_experts() const { return impl_->config_.num_local_experts(impl_->num_ranks_); }

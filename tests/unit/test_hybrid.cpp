@@ -422,11 +422,14 @@ TEST(Hybrid, ConfigNamesTheScaleOut) {
         c.ranks_per_node = rpn;
         c.scaleout = ScaleOut::kAuto;
         auto g = ThreadGroup::create(4, std::chrono::seconds(20));
-        std::vector<std::string> used(4);
+        std::vector<std::string> used(4), path(4);
         all_ok(run_ranks(4, [&](int r) {
-            used[static_cast<size_t>(r)] = Buffer::create(g[static_cast<size_t>(r)], c, BackendKind::kCPU)->scaleout();
+            auto b = Buffer::create(g[static_cast<size_t>(r)], c, BackendKind::kCPU);
+            used[static_cast<size_t>(r)] = b->scaleout();
+            path[static_cast<size_t>(r)] = b->kernel_path();
         }));
         EXPECT_EQ(used, std::vector<std::string>(4, want)) << topology_name(topology) << " P=" << rpn;
+        EXPECT_EQ(path, std::vector<std::string>(4, "reference")) << "the CPU backend's kernel path";
     }
     // every rank must agree on it: a differing scaleout is named by Buffer::create
     auto groups = ThreadGroup::create(4, std::chrono::seconds(20));

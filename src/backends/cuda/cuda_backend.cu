@@ -278,6 +278,7 @@ class CudaBackend final : public BackendBuffer {
     void set_dispatch_forger(testing::DispatchForger forger) override { forger_ = std::move(forger); }
 
     Device device() const override { return Device{DeviceType::kCUDA, dev_}; }
+    std::string kernel_path() const override { return direct_ ? "direct" : "staged"; }
     size_t reserved_bytes() const override {
         return static_cast<size_t>(region_.bytes + ws_.bytes) +
                static_cast<size_t>(reservation(cfg_, num_ranks_).combine_out);

@@ -419,6 +419,7 @@ class CudaHybridBackend final : public BackendBuffer {
     }
 
     std::string scaleout() const override { return scaleout_used_; }
+    std::string kernel_path() const override { return "hybrid"; }
 
  private:
     // ---- the rail ------------------------------------------------------------------------------
