@@ -93,6 +93,28 @@ TEST(CudaPaths, DirectMatchesTheCpuBackend) {
     run_path_matrix("direct");
 }
 
+// Which path a buffer takes (Buffer::kernel_path): ranks as threads of this process on this GPU take
+// the direct path unless ELASTICEP_KERNEL_VARIANT=staged; every rank reports the same.
+TEST(CudaPaths, ThreadsOnOneGpuTakeTheDirectPathUnlessStagedIsAsked) {
+    ELASTICEP_SKIP_WITHOUT_GPU();
+    for (const char* variant : {"auto", "direct", "staged"}) {
+        const ScopedEnv env("ELASTICEP_KERNEL_VARIANT", variant);
+        const int ranks = 3;
+        auto groups = ThreadGroup::create(ranks);
+        std::vector<std::string> paths(ranks);
+        const auto errors = run_ranks(ranks, [&](int r) {
+            cuda_ok(cudaSetDevice(0), "cudaSetDevice");
+            BufferConfig c = base(ranks, 4 * ranks, 2, 64, 4).cfg;
+            c.device = 0;
+            paths[static_cast<size_t>(r)] =
+                Buffer::create(groups[static_cast<size_t>(r)], c, BackendKind::kCUDA)->kernel_path();
+        });
+        ASSERT_TRUE(all_ok(errors, variant));
+        const std::string want = std::string(variant) == "staged" ? "staged" : "direct";
+        for (int r = 0; r < ranks; ++r) EXPECT_EQ(paths[static_cast<size_t>(r)], want) << variant << " rank " << r;
+    }
+}
+
 // The direct path's device waits outside captures (two launches a call, one block of a rank waiting
 // at a time): ranks sharing a GPU need their kernels to run side by side, which needs enough
 // hardware queues (CUDA_DEVICE_MAX_CONNECTIONS, read when the CUDA context is made), and so it cannot

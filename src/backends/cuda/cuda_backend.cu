@@ -114,9 +114,12 @@ struct PathChoice {
     std::string why;  // why not direct
 };
 
-// ELASTICEP_KERNEL_VARIANT: auto, staged or direct; unset: kDefaultKernelVariant. auto takes the staged
-// path: the direct path is opt-in (=direct) while a GPU test deadlocks on it (device run of 2026-12-01:
-// CUDA graphs of several ranks that also hold other kernels replayed on one GPU; docs/perf/NOTES.md).
+// ELASTICEP_KERNEL_VARIANT: auto, staged or direct; unset: kDefaultKernelVariant. auto takes the direct
+// path where it applies (every rank a thread of this process on this GPU) and the staged path
+// elsewhere; direct asks for the direct path and says on stderr when it does not apply. (From
+// 2026-12-01 to 2026-12-02 auto was staged: the direct kernels deadlocked beside other kernels in
+// replayed graphs, ServingGpu.DecodeLayerReplaysFromACudaGraphOnTheDirectPath; only one block of a
+// rank waits for peers now.)
 constexpr const char* kDefaultKernelVariant = "auto";
 
 std::string kernel_variant() {
@@ -130,8 +133,8 @@ std::string kernel_variant() {
 PathChoice choose_path(const std::string& variant, const BufferConfig& c, const transport::Placement& where,
                        int num_ranks) {
     PathChoice p;
-    if (variant != "direct")
-        p.why = "ELASTICEP_KERNEL_VARIANT=" + variant + " (the direct path is opt-in: ELASTICEP_KERNEL_VARIANT=direct)";
+    if (variant == "staged")
+        p.why = "ELASTICEP_KERNEL_VARIANT=staged";
     else if (!where.one_process || where.remote_gpu)
         p.why = "the direct path needs every rank as a thread of this process on this GPU";
     else if (num_ranks > kernels::kDirectMaxRanks)
