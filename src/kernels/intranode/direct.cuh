@@ -111,6 +111,18 @@ __device__ __forceinline__ bool last_block_arrives(unsigned* counter) {
     return last;
 }
 
+// The whole block waits (bounded) for every peer's flag at offset_of(q) to reach `epoch`, each thread
+// one peer's word (block_wait_all: one peer's latency when all have arrived); on expiry the workspace
+// is marked timed out. Every thread must call; returns true when every peer arrived.
+template <class Team, class OffsetOf>
+__device__ __forceinline__ bool block_meet(const Team& team, OffsetOf offset_of, uint64_t epoch, uint64_t timeout_ns,
+                                           int32_t phase, HostRecord* rec, const Workspace& ws) {
+    const bool met =
+        block_wait_all<true>(team, offset_of, epoch, Deadline::from_now(timeout_ns), phase, rec) == WaitStatus::kOk;
+    if (!met && threadIdx.x == 0) ws.state->timed_out = 1;
+    return met;
+}
+
 template <class Team, SendPayload kPayload, bool kIdx64>
 __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchParams<Team> p) {
     constexpr bool kFP8 = payload_is_fp8(kPayload);
@@ -150,6 +162,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     __shared__ unsigned long long dropped;  // senders whose counts failed their check
     __shared__ int bad_sender;
     __shared__ DirectOutputs desc[kDirectMaxRanks];
+    __shared__ uint8_t* win[kDirectMaxRanks];  // every rank's window (the team's device table, read once)
     __shared__ uint8_t* dst_x[kWarps][kMaxTopk];
     __shared__ uint32_t* dst_sc[kWarps][kMaxTopk];
     __shared__ int64_t dst_cs[kWarps][kMaxTopk];
@@ -166,17 +179,24 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                     const int t = c0 + tl;
                     uint32_t keep = 0;
                     unsigned long long bad = detail::kNoRouteKey;
-                    for (int k = 0; k < kk; ++k) {
-                        const int64_t v = topk_at<kIdx64>(p, t, k);
-                        if (v == -1) continue;
-                        bool fine = v >= 0 && v < ne;
-                        for (int j = 0; fine && j < k; ++j) fine = topk_at<kIdx64>(p, t, j) != v;
-                        if (!fine) {  // out of range, or a repeat of an earlier column (dropped)
-                            if (bad == detail::kNoRouteKey) bad = detail::route_key(t, k);
-                            continue;
+                    for (int k0 = 0; k0 < kk; k0 += 8) {
+                        int64_t ids[8];  // 8 loads in flight; the repeat checks below then hit L1
+#pragma unroll
+                        for (int u = 0; u < 8; ++u) ids[u] = k0 + u < kk ? topk_at<kIdx64>(p, t, k0 + u) : -1;
+#pragma unroll
+                        for (int u = 0; u < 8; ++u) {
+                            const int k = k0 + u;
+                            const int64_t v = ids[u];
+                            if (k >= kk || v == -1) continue;
+                            bool fine = v >= 0 && v < ne;
+                            for (int j = 0; fine && j < k; ++j) fine = topk_at<kIdx64>(p, t, j) != v;
+                            if (!fine) {  // out of range, or a repeat of an earlier column (dropped)
+                                if (bad == detail::kNoRouteKey) bad = detail::route_key(t, k);
+                                continue;
+                            }
+                            keep |= 1u << k;
+                            atomicOr(&bitmap[v * words + tl / 32], 1u << (tl % 32));
                         }
-                        keep |= 1u << k;
-                        atomicOr(&bitmap[v * words + tl / 32], 1u << (tl % 32));
                     }
                     valid[tl] = keep;
                     if (bad != detail::kNoRouteKey) atomicMin(&first_bad, bad);
@@ -224,49 +244,55 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 __syncthreads();
                 for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.plan_flag(rank), epoch);
                 // the rest of the grid has exited: this one block waits for every sender's plan
-                if (step == kStepPublishMeet && threadIdx.x == 0 &&
-                    wait_all<true>(
-                        team, [&](int q) { return region.plan_flag(q); }, epoch, Deadline::from_now(p.timeout_ns),
-                        kPhaseDispatch, p.record) != WaitStatus::kOk)
-                    p.ws.state->timed_out = 1;
+                if (step == kStepPublishMeet)
+                    block_meet(
+                        team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record,
+                        p.ws);
             }
             if (step == kStepPublish || step == kStepPublishMeet) return;
         }
 
         // ---- tables: every sender's counts and status ----
+        // (latency: the block's threads share the loads, so each step costs one round trip to L2,
+        // not one per peer or per expert in series)
         if (threadIdx.x == 0) {
-            ok = wait_all<true>(
-                     team, [&](int q) { return region.plan_flag(q); }, epoch, Deadline::from_now(p.timeout_ns),
-                     kPhaseDispatch, p.record) == WaitStatus::kOk;
-            if (!ok) p.ws.state->timed_out = 1;
             dropped = 0;
             bad_sender = nr;
         }
+        for (int q = threadIdx.x; q < nr; q += blockDim.x) win[q] = team.window(q);
+        const bool met = block_meet(
+            team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record, p.ws);
+        if (threadIdx.x == 0) ok = met;
         __syncthreads();
         if (ok) {
             auto counts_of = [&](int q) {
-                return RegionLayout::at<const int32_t>(team.window(q), region.published_count_row(parity));
+                return RegionLayout::at<const int32_t>(win[q], region.published_count_row(parity));
             };
             for (int i = threadIdx.x; i < nr * 16; i += blockDim.x) {  // every receiver's DirectOutputs
                 const int q = i / 16, w = i % 16;
-                const uint64_t* src =
-                    RegionLayout::at<const uint64_t>(team.window(q), region.published_outputs(parity));
+                const uint64_t* src = RegionLayout::at<const uint64_t>(win[q], region.published_outputs(parity));
                 reinterpret_cast<uint64_t*>(&desc[q])[w] = __ldcg(reinterpret_cast<const unsigned long long*>(src) + w);
             }
             const int64_t per_receiver = int64_t{cap} * (kk < el ? kk : el);
-            for (int i = threadIdx.x; i < nr * nr; i += blockDim.x) {
-                const int s = i / nr, d = i % nr;
+            // one warp per (sender, receiver): its lanes read the local experts' counts side by side
+            for (int pair = warp; pair < nr * nr; pair += kWarps) {
+                const int s = pair / nr, d = pair % nr;
                 const int32_t* c = counts_of(s) + d * el;
                 int64_t sum = 0, bad_c = 0;
                 bool each_ok = true;
-                for (int l = 0; l < el; ++l) {
-                    const int64_t v = __ldcg(c + l);
+                for (int l0 = 0; l0 < el; l0 += kWarpSize) {
+                    const int l = l0 + lane;
+                    const int64_t v = l < el ? __ldcg(c + l) : 0;
                     sum += v;
-                    const bool ok_v = v >= 0 && v <= cap;
-                    bad_c = each_ok && !ok_v ? v : bad_c;
-                    each_ok = each_ok && ok_v;
+                    const unsigned bad = __ballot_sync(kFullMask, l < el && !(v >= 0 && v <= cap));
+                    if (bad != 0 && each_ok) {  // the first failing count, as a serial scan finds it
+                        bad_c = __shfl_sync(kFullMask, v, __ffs(bad) - 1);
+                        each_ok = false;
+                    }
                 }
-                if (!each_ok || sum > per_receiver) {
+#pragma unroll
+                for (int o = kWarpSize / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(kFullMask, sum, o);
+                if (lane == 0 && (!each_ok || sum > per_receiver)) {
                     atomicOr(&dropped, 1ull << s);
                     if (blockIdx.x == 0)
                         record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch,
@@ -281,11 +307,18 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
             const bool rejected = bad_sender < nr;
             for (int e = threadIdx.x; e < ne; e += blockDim.x) {
                 int32_t tot = 0, before = 0;
-                for (int s = 0; s < nr; ++s) {
-                    if ((dropped >> s) & 1ull) continue;
-                    const int32_t v = __ldcg(counts_of(s) + e);
-                    before += s < rank ? v : 0;
-                    tot += v;
+                for (int s0 = 0; s0 < nr; s0 += 8) {  // 8 loads in flight
+                    int32_t v[8];
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) {
+                        const int s = s0 + u;
+                        v[u] = s < nr && !((dropped >> s) & 1ull) ? __ldcg(counts_of(s) + e) : 0;
+                    }
+#pragma unroll
+                    for (int u = 0; u < 8; ++u) {
+                        before += s0 + u < rank ? v[u] : 0;
+                        tot += v[u];
+                    }
                 }
                 total[e] = rejected ? 0 : tot;
                 base[e] = rejected ? 0 : before;
@@ -551,13 +584,14 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
         if (step == kStepMove || !finisher) return;
     }
     // ---- finish (block 0, or kStepMoveFinish's last block): every sender wrote its rows here ----
-    if ((step == kStepFinish && blockIdx.x != 0) || threadIdx.x != 0) return;
-    if (p.ws.state->timed_out == 0 &&
-        wait_all<true>(
-            team, [&](int q) { return region.sent_flag(q); }, epoch, Deadline::from_now(p.timeout_ns), kPhaseDispatch,
-            p.record) != WaitStatus::kOk)
-        p.ws.state->timed_out = 1;
-    *p.ws.epoch = epoch;
+    if (step == kStepFinish && blockIdx.x != 0) return;
+    __shared__ int skip;
+    if (threadIdx.x == 0) skip = p.ws.state->timed_out;
+    __syncthreads();
+    if (skip == 0)
+        block_meet(
+            team, [&](int q) { return region.sent_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record, p.ws);
+    if (threadIdx.x == 0) *p.ws.epoch = epoch;
 }
 
 template <class Team, bool kNodes>
@@ -588,20 +622,14 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
             for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.ready_flag(rank), epoch);
         }
         if (step == kStepPublish) return;
+        auto ready = [&](int q) { return region.ready_flag(q); };
         if (step == kStepPublishMeet) {  // one block: every holder's y is published
-            if (threadIdx.x == 0 && wait_all<true>(
-                                        team, [&](int q) { return region.ready_flag(q); }, epoch,
-                                        Deadline::from_now(p.timeout_ns), kPhaseCombine, p.record) != WaitStatus::kOk)
-                p.ws.state->timed_out = 1;
+            block_meet(team, ready, epoch, p.timeout_ns, kPhaseCombine, p.record, p.ws);
             return;
         }
         // ---- move: every holder's y, this rank's tokens reduced ----
-        if (threadIdx.x == 0) {
-            ok = wait_all<true>(
-                     team, [&](int q) { return region.ready_flag(q); }, epoch, Deadline::from_now(p.timeout_ns),
-                     kPhaseCombine, p.record) == WaitStatus::kOk;
-            if (!ok) p.ws.state->timed_out = 1;
-        }
+        const bool met = block_meet(team, ready, epoch, p.timeout_ns, kPhaseCombine, p.record, p.ws);
+        if (threadIdx.x == 0) ok = met;
         __syncthreads();
         if (!ok) return;
         for (int q = threadIdx.x; q < nr; q += blockDim.x)
@@ -689,11 +717,9 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
         if (step == kStepMove || (step == kStepMoveFinish ? !last : blockIdx.x != 0)) return;
     }
     // ---- finish (block 0, or kStepMoveFinish's last block): no origin reads this rank's y any more ----
-    if ((step == kStepFinish && blockIdx.x != 0) || threadIdx.x != 0) return;
-    if (wait_all<true>(
-            team, [&](int q) { return region.done_flag(q); }, epoch, Deadline::from_now(p.timeout_ns), kPhaseCombine,
-            p.record) != WaitStatus::kOk)
-        p.ws.state->timed_out = 1;
+    if (step == kStepFinish && blockIdx.x != 0) return;
+    block_meet(
+        team, [&](int q) { return region.done_flag(q); }, epoch, p.timeout_ns, kPhaseCombine, p.record, p.ws);
 }
 
 }  // namespace elasticep::kernels
