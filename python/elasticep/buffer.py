@@ -155,6 +155,13 @@ class Buffer:
         return self._live().backend
 
     @property
+    def kernel_path(self):
+        """The implementation the calls run: ``"reference"`` (CPU backend), ``"direct"`` (CUDA, every
+        rank a thread of this process on this GPU), ``"staged"`` (CUDA, every other placement, or
+        ``ELASTICEP_KERNEL_VARIANT=staged``) or ``"hybrid"`` (CUDA, ``topology="hybrid"``)."""
+        return self._live().kernel_path
+
+    @property
     def config(self):
         """The buffer's configuration, as one line of text."""
         return self._live().config

@@ -838,6 +838,7 @@ NB_MODULE(_C, m) {
         .def("max_contiguous_rows",
              [](Buffer& b, nb::handle a) { return b.max_contiguous_rows(to_int(a, "expert_alignment", "[1, 65536]")); })
         .def_prop_ro("backend", [](const Buffer& b) { return std::string(backend_name(b.backend())); })
+        .def_prop_ro("kernel_path", &Buffer::kernel_path)
         .def_prop_ro("rank", &Buffer::rank)
         .def_prop_ro("num_ranks", &Buffer::num_ranks)
         .def_prop_ro("num_local_experts", &Buffer::num_local_experts)

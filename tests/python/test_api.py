@@ -67,6 +67,7 @@ def test_group_implemented_in_python():
             b = ep.Buffer(groups[r], num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=C, timeout=10.0,
                           backend="cpu")
             assert b.rank == r and b.num_ranks == 2 and b.group is groups[r]
+            assert b.kernel_path == "reference"
             d = b.dispatch(*hand_inputs(r))
             res[r] = (d.recv_x[:, 0].tolist(), b.combine(d.recv_x, d.handle)[:, 0].tolist())
         except BaseException as e:  # noqa: BLE001
