@@ -65,6 +65,16 @@ PinnedScratch::PinnedScratch(size_t bytes) : bytes_(size_class(bytes)) {
     }
 }
 
+void PinnedScratch::read_call_state(const uint64_t* epoch_dev, const int32_t* timed_out_dev, cudaStream_t stream,
+                                    uint64_t& epoch, int32_t& timed_out) {
+    auto* line = static_cast<uint8_t*>(ptr_);
+    ELASTICEP_CUDA_CALL(cudaMemcpyAsync(line, epoch_dev, sizeof(uint64_t), cudaMemcpyDeviceToHost, stream));
+    ELASTICEP_CUDA_CALL(cudaMemcpyAsync(line + 8, timed_out_dev, sizeof(int32_t), cudaMemcpyDeviceToHost, stream));
+    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
+    std::memcpy(&epoch, line, sizeof(epoch));
+    std::memcpy(&timed_out, line + 8, sizeof(timed_out));
+}
+
 PinnedScratch::~PinnedScratch() {
     std::lock_guard<std::mutex> lock(g_mu);
     g_free_pinned[bytes_].push_back(ptr_);

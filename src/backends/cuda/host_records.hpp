@@ -4,7 +4,10 @@
 // waits for this rank (src/transport/device_pool.hpp).
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstddef>
+#include <cstdint>
 
 #include "kernels/common/buffer_layout.hpp"
 
@@ -39,6 +42,11 @@ class PinnedScratch {
     PinnedScratch& operator=(const PinnedScratch&) = delete;
 
     void* data() const { return ptr_; }
+
+    // A call's state as a host wait starts: the device's epoch word (calls completed) and its
+    // timed-out word, read through the first 12 bytes of this memory on `stream`, synchronously.
+    void read_call_state(const uint64_t* epoch_dev, const int32_t* timed_out_dev, cudaStream_t stream, uint64_t& epoch,
+                         int32_t& timed_out);
 
  private:
     size_t bytes_ = 0;  // the size class: the pool list it goes back to

@@ -679,18 +679,12 @@ class CudaHybridBackend final : public BackendBuffer {
         ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
         uint64_t epoch = 0;
         int32_t dead = 0;
-        auto* line = static_cast<uint8_t*>(poll_->data());
-        ELASTICEP_CUDA_CALL(cudaMemcpyAsync(line, ws_.epoch, sizeof(epoch), cudaMemcpyDeviceToHost, own_stream_));
-        ELASTICEP_CUDA_CALL(
-            cudaMemcpyAsync(line + 8, &ws_.state->timed_out, sizeof(dead), cudaMemcpyDeviceToHost, own_stream_));
-        ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
-        std::memcpy(&epoch, line, sizeof(epoch));
-        std::memcpy(&dead, line + 8, sizeof(dead));
+        poll_->read_call_state(ws_.epoch, &ws_.state->timed_out, own_stream_, epoch, dead);
         if (dead) return;  // an earlier wait expired: the kernels do nothing, raise_faults reports it
         const int64_t parity = static_cast<int64_t>(epoch & 1) * w.parity_stride;
         ELASTICEP_INTERNAL(w.count >= 0 && w.count <= num_ranks_, "hybrid host wait over ", w.count, " words");
         std::vector<uint64_t> words(static_cast<size_t>(w.count));
-        auto* landed = reinterpret_cast<uint64_t*>(line + 64);
+        auto* landed = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(poll_->data()) + 64);
         const auto start = std::chrono::steady_clock::now();
         for (int spins = 0;; ++spins) {
             ELASTICEP_CUDA_CALL(cudaMemcpy2DAsync(landed, 8, w.base + w.offset + parity, static_cast<size_t>(w.stride),

@@ -71,13 +71,7 @@ void PeerWatch::poll(int32_t phase, uint64_t expected, int shift, Read&& read) {
 
 void PeerWatch::read_epoch(cudaStream_t call_stream, uint64_t& epoch, int32_t& aborted) {
     ELASTICEP_CUDA_CALL(cudaStreamSynchronize(call_stream));
-    auto* line = static_cast<uint8_t*>(scratch_.data());
-    ELASTICEP_CUDA_CALL(cudaMemcpyAsync(line, ws_.epoch, sizeof(uint64_t), cudaMemcpyDeviceToHost, own_stream_));
-    ELASTICEP_CUDA_CALL(
-        cudaMemcpyAsync(line + 8, &ws_.state->timed_out, sizeof(int32_t), cudaMemcpyDeviceToHost, own_stream_));
-    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
-    std::memcpy(&epoch, line, sizeof(epoch));
-    std::memcpy(&aborted, line + 8, sizeof(aborted));
+    scratch_.read_call_state(ws_.epoch, &ws_.state->timed_out, own_stream_, epoch, aborted);
 }
 
 void PeerWatch::host_wait(cudaStream_t call_stream, int32_t phase) {

@@ -158,7 +158,6 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     uint32_t* bitmap = valid + chunk;                          // [E][words] the chunk's tokens per expert
 
     __shared__ unsigned long long first_bad;
-    __shared__ bool ok;
     __shared__ unsigned long long dropped;  // senders whose counts failed their check
     __shared__ int bad_sender;
     __shared__ DirectOutputs desc[kDirectMaxRanks];
@@ -260,10 +259,9 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
             bad_sender = nr;
         }
         for (int q = threadIdx.x; q < nr; q += blockDim.x) win[q] = team.window(q);
-        const bool met = block_meet(
+        // (block_meet's barriers also publish win, dropped and bad_sender to the block)
+        const bool ok = block_meet(
             team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record, p.ws);
-        if (threadIdx.x == 0) ok = met;
-        __syncthreads();
         if (ok) {
             auto counts_of = [&](int q) {
                 return RegionLayout::at<const int32_t>(win[q], region.published_count_row(parity));
@@ -606,7 +604,6 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
     if (p.ws.state->timed_out != 0) return;
     const uint64_t epoch = *p.ws.epoch;
     const int parity = static_cast<int>(epoch & 1);
-    __shared__ bool ok;
     __shared__ const uint16_t* ys[kDirectMaxRanks];
     __shared__ const uint16_t* src_list[kWarps][kMaxTopk];
     __shared__ float w_list[kWarps][kMaxTopk];
@@ -628,10 +625,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
             return;
         }
         // ---- move: every holder's y, this rank's tokens reduced ----
-        const bool met = block_meet(team, ready, epoch, p.timeout_ns, kPhaseCombine, p.record, p.ws);
-        if (threadIdx.x == 0) ok = met;
-        __syncthreads();
-        if (!ok) return;
+        if (!block_meet(team, ready, epoch, p.timeout_ns, kPhaseCombine, p.record, p.ws)) return;
         for (int q = threadIdx.x; q < nr; q += blockDim.x)
             ys[q] = reinterpret_cast<const uint16_t*>(__ldcg(reinterpret_cast<const unsigned long long*>(
                 RegionLayout::at<const uint64_t>(team.window(q), region.published_y_word(parity)))));
