@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <limits>
 
 #include "elasticep/error.hpp"
 
@@ -34,6 +35,16 @@ class HostDevice final : public RankDevice {
     double elapsed_us(int from, int to) override {
         return std::chrono::duration<double, std::micro>(marks_.at(static_cast<size_t>(to)) -
                                                          marks_.at(static_cast<size_t>(from)))
+            .count();
+    }
+    void reserve_marks(int n) override {
+        if (marks_.size() < static_cast<size_t>(n)) marks_.resize(static_cast<size_t>(n));
+    }
+    double since_us(RankDevice& ref, int ref_mark, int my_mark) override {
+        auto* host = dynamic_cast<HostDevice*>(&ref);
+        if (host == nullptr) return std::numeric_limits<double>::quiet_NaN();
+        return std::chrono::duration<double, std::micro>(marks_.at(static_cast<size_t>(my_mark)) -
+                                                         host->marks_.at(static_cast<size_t>(ref_mark)))
             .count();
     }
     std::unique_ptr<Replay> capture(const std::function<void()>&) override {

@@ -49,6 +49,12 @@ class RankDevice {
     // microseconds between two marks, valid after synchronize().
     virtual void mark(int i) = 0;
     virtual double elapsed_us(int from, int to) = 0;
+    // Makes marks [0, n) ready to record, so that no timed call pays for creating one.
+    virtual void reserve_marks(int n) = 0;
+    // Microseconds from `ref`'s mark `ref_mark` to this rank's mark `my_mark` (negative when this
+    // one came first), valid after both synchronize(); NaN when the two are not on one clock (ranks
+    // on different GPUs).
+    virtual double since_us(RankDevice& ref, int ref_mark, int my_mark) = 0;
     // Captures the calls `body` enqueues on stream() into a CUDA graph (Unsupported on the host).
     virtual std::unique_ptr<Replay> capture(const std::function<void()>& body) = 0;
 };

@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -101,12 +102,15 @@ class CudaRankDevice final : public RankDevice {
         return host.data();
     }
     void synchronize() override { cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
-    void mark(int i) override {
-        while (events_.size() <= static_cast<size_t>(i)) {
+    void reserve_marks(int n) override {
+        while (events_.size() < static_cast<size_t>(n)) {
             cudaEvent_t e{};
             cuda_check(cudaEventCreate(&e), "cudaEventCreate");
             events_.push_back(e);
         }
+    }
+    void mark(int i) override {
+        reserve_marks(i + 1);
         cuda_check(cudaEventRecord(events_[static_cast<size_t>(i)], stream_), "cudaEventRecord");
     }
     double elapsed_us(int from, int to) override {
@@ -114,6 +118,22 @@ class CudaRankDevice final : public RankDevice {
         cuda_check(
             cudaEventElapsedTime(&ms, events_.at(static_cast<size_t>(from)), events_.at(static_cast<size_t>(to))),
             "cudaEventElapsedTime");
+        return static_cast<double>(ms) * 1e3;
+    }
+    // Events of one device share its clock. cudaEventElapsedTime's sign when `to` precedes `from`
+    // is not documented, so a zero is read the other way round as well.
+    double since_us(RankDevice& ref, int ref_mark, int my_mark) override {
+        auto* other = dynamic_cast<CudaRankDevice*>(&ref);
+        if (other == nullptr || other->device_ != device_) return std::numeric_limits<double>::quiet_NaN();
+        cudaEvent_t from = other->events_.at(static_cast<size_t>(ref_mark));
+        cudaEvent_t to = events_.at(static_cast<size_t>(my_mark));
+        float ms = 0;
+        cuda_check(cudaEventElapsedTime(&ms, from, to), "cudaEventElapsedTime");
+        if (ms == 0.0f) {
+            float back = 0;
+            cuda_check(cudaEventElapsedTime(&back, to, from), "cudaEventElapsedTime");
+            ms = -back;
+        }
         return static_cast<double>(ms) * 1e3;
     }
     std::unique_ptr<Replay> capture(const std::function<void()>& body) override {

@@ -12,7 +12,9 @@
 #include "bench.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -204,11 +206,43 @@ Mismatch verify_combine(const TensorRef& out, int64_t t_count, int64_t h, const 
     return mm;
 }
 
+// Releases the rank threads together. The group's barrier wakes its waiters one after another (a
+// condition variable: each retakes the mutex in turn), tens of microseconds apart on a busy host, and a
+// timed collective counts that spread as its own latency (its earliest rank waits for the latest).
+// Waiters spin (yielding) on a generation counter instead, bounded by the run's timeout.
+class StartLine {
+ public:
+    StartLine(int n, int timeout_ms) : n_(n), timeout_(std::chrono::milliseconds(timeout_ms)) {}
+    void wait(int rank) {
+        const uint64_t gen = gen_.load(std::memory_order_acquire);
+        if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+            arrived_.store(0, std::memory_order_relaxed);
+            gen_.store(gen + 1, std::memory_order_release);
+            return;
+        }
+        const auto deadline = Clock::now() + timeout_;
+        while (gen_.load(std::memory_order_acquire) == gen) {
+            if (Clock::now() > deadline)
+                throw Error(ErrorCode::kTimeout, "bench: rank " + std::to_string(rank) +
+                                                     " waited --timeout-ms at the start line for the other ranks");
+            std::this_thread::yield();
+        }
+    }
+
+ private:
+    const int n_;
+    const Clock::duration timeout_;
+    std::atomic<int> arrived_{0};
+    std::atomic<uint64_t> gen_{0};
+};
+
 // Per rank: latencies per call of every mode, and the outcome of every check.
 struct RankRecord {
     std::vector<double> dispatch_us, combine_us;  // isolated, warm-up included
     std::vector<double> b2b_dispatch_us, b2b_combine_us;
     std::vector<double> graph_us, b2b_graph_us;  // graph: warm-up included
+    // each call's start against rank 0's start of the same call (us; NaN: not on one clock)
+    std::vector<double> dispatch_at, combine_at, b2b_dispatch_at, b2b_combine_at, graph_at, b2b_graph_at;
     // one entry per check, in the same order on every rank: 1 = the output matched the oracle
     std::vector<char> dispatch_checks, combine_checks, graph_checks;
     std::vector<std::string> failures;
@@ -222,8 +256,10 @@ double median(std::vector<double> v) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Timing over the rounds [skip, end) of one series, the slowest rank per round.
-Timing timing(const std::vector<RankRecord>& recs, std::vector<double> RankRecord::*series, int skip) {
+// Timing over the rounds [skip, end) of one series, the slowest rank per round; `at`: the calls'
+// starts against rank 0's (RankRecord::*_at), for the start spread.
+Timing timing(const std::vector<RankRecord>& recs, std::vector<double> RankRecord::*series, int skip,
+              std::vector<double> RankRecord::*at) {
     Timing t;
     const size_t n = recs.empty() ? 0 : (recs[0].*series).size();
     for (size_t r = static_cast<size_t>(skip); r < n; ++r) {
@@ -231,8 +267,28 @@ Timing timing(const std::vector<RankRecord>& recs, std::vector<double> RankRecor
         for (const auto& rec : recs) ranks.push_back((rec.*series)[r]);
         t.rank_us.push_back(ranks);
         t.round_us.push_back(*std::max_element(ranks.begin(), ranks.end()));
+        double first = HUGE_VAL, last = -HUGE_VAL;
+        bool clock = true;
+        for (const auto& rec : recs) {
+            const double s = r < (rec.*at).size() ? (rec.*at)[r] : std::nan("");
+            if (!std::isfinite(s)) clock = false;
+            first = std::min(first, s);
+            last = std::max(last, s);
+        }
+        if (clock) {
+            // the last end minus the last start, as each rank's latency less its lead on the last start
+            // (so that it never exceeds the slowest rank's latency by a rounding)
+            double from_last = 0;
+            for (const auto& rec : recs) from_last = std::max(from_last, (rec.*series)[r] - (last - (rec.*at)[r]));
+            t.start_spread_rounds.push_back(last - first);
+            t.from_last_start_rounds.push_back(from_last);
+        }
     }
     if (t.round_us.empty()) return t;
+    if (t.start_spread_rounds.size() == t.round_us.size()) {
+        t.start_spread_us = median(t.start_spread_rounds);
+        t.from_last_start_us = median(t.from_last_start_rounds);
+    }
     t.median_us = median(t.round_us);
     t.mean_us = std::accumulate(t.round_us.begin(), t.round_us.end(), 0.0) / static_cast<double>(t.round_us.size());
     t.min_us = *std::min_element(t.round_us.begin(), t.round_us.end());
@@ -480,12 +536,29 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
     auto groups = ThreadGroup::create(nr, std::chrono::milliseconds(s.timeout_ms));
     std::vector<RankRecord> recs(static_cast<size_t>(nr));
     std::vector<std::exception_ptr> errors(static_cast<size_t>(nr));
+    std::vector<RankDevice*> devs(static_cast<size_t>(nr), nullptr);  // for the start spread
+    StartLine start_line(nr, s.timeout_ms);
+    // Every timed call's marks have their own index (none is recorded twice), so that, after the
+    // run, each rank can read its starts against rank 0's.
+    const int iso_marks = 0;                                     // round r: dispatch 4r, 4r+1; combine 4r+2, 4r+3
+    const int b2b_marks = iso_marks + 4 * total_rounds;          // round i: 3i (dispatch), 3i+1 (combine), 3i+2
+    const int graph_marks = b2b_marks + 3 * s.rounds;            // round r: 2r, 2r+1
+    const int b2b_graph_marks = graph_marks + 2 * total_rounds;  // round i: i, and one after the last
+    const int num_marks = b2b_graph_marks + s.rounds + 1;
 
     auto run_rank = [&](int r) {
         const RankData& in = data[static_cast<size_t>(r)];
         RankRecord& rec = recs[static_cast<size_t>(r)];
         auto& group = groups[static_cast<size_t>(r)];
         auto dev = make_rank_device(rep.backend, r, s.num_gpus);
+        dev->reserve_marks(num_marks);
+        devs[static_cast<size_t>(r)] = dev.get();
+        // before every timed call: the group's barrier, then the start line (Scenario::start_line)
+        auto line_up = [&] {
+            dev->synchronize();
+            group->barrier();
+            if (s.start_line) start_line.wait(r);
+        };
         BufferConfig rank_cfg = cfg;
         rank_cfg.device = dev->device();
         auto buf = Buffer::create(group, rank_cfg, rep.backend);
@@ -551,13 +624,13 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
         for (int round = 0; round < total_rounds; ++round) {
             const auto t_round = Clock::now();
             const std::string what = "round " + std::to_string(round);
-            dev->synchronize();
-            group->barrier();
-            dev->mark(0);
+            const int m = iso_marks + 4 * round;
+            line_up();
+            dev->mark(m);
             DispatchResult res = buf->dispatch(args);
-            dev->mark(1);
+            dev->mark(m + 1);
             dev->synchronize();
-            rec.dispatch_us.push_back(dev->elapsed_us(0, 1));
+            rec.dispatch_us.push_back(dev->elapsed_us(m, m + 1));
             if (round == 0) {
                 rec.num_sms = res.handle.num_sms();
                 // the stand-in expert, on this rank's own rows, once (outside every timed call)
@@ -593,13 +666,12 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
             rec.dispatch_checks.push_back(check_dispatch(res, what));
 
             cargs.out = out_iso;
-            dev->synchronize();
-            group->barrier();
-            dev->mark(2);
+            line_up();
+            dev->mark(m + 2);
             CombineResult out = buf->combine(std::move(res.handle), cargs);
-            dev->mark(3);
+            dev->mark(m + 3);
             dev->synchronize();
-            rec.combine_us.push_back(dev->elapsed_us(2, 3));
+            rec.combine_us.push_back(dev->elapsed_us(m + 2, m + 3));
             if (s.inject_mismatch == 2 && round == s.warmup && r == inject_rank)
                 static_cast<uint16_t*>(out.out.data)[0] ^= 0x0001;
             rec.combine_checks.push_back(check_combine(out.out, what));
@@ -609,22 +681,23 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
 
         // ---- back to back: no host synchronisation between the calls ----
         if (s.back_to_back) {
-            dev->synchronize();
-            group->barrier();
+            line_up();
             DispatchResult last;
             for (int i = 0; i < s.rounds; ++i) {
-                dev->mark(3 * i);
+                const int m = b2b_marks + 3 * i;
+                dev->mark(m);
                 DispatchResult res = buf->dispatch(args);
-                dev->mark(3 * i + 1);
+                dev->mark(m + 1);
                 cargs.out = out_b2b[static_cast<size_t>(i)];
                 buf->combine(std::move(res.handle), cargs);
-                dev->mark(3 * i + 2);
+                dev->mark(m + 2);
                 if (i == s.rounds - 1) last = std::move(res);
             }
             dev->synchronize();
             for (int i = 0; i < s.rounds; ++i) {
-                rec.b2b_dispatch_us.push_back(dev->elapsed_us(3 * i, 3 * i + 1));
-                rec.b2b_combine_us.push_back(dev->elapsed_us(3 * i + 1, 3 * i + 2));
+                const int m = b2b_marks + 3 * i;
+                rec.b2b_dispatch_us.push_back(dev->elapsed_us(m, m + 1));
+                rec.b2b_combine_us.push_back(dev->elapsed_us(m + 1, m + 2));
             }
             rec.dispatch_checks.push_back(check_dispatch(last, "back-to-back round " + std::to_string(s.rounds - 1)));
             for (int i = 0; i < s.rounds; ++i)
@@ -644,29 +717,45 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
                 buf->combine(std::move(gres.handle), cargs);
             });
             for (int round = 0; round < total_rounds; ++round) {
-                dev->synchronize();
-                group->barrier();
-                dev->mark(0);
+                const int m = graph_marks + 2 * round;
+                line_up();
+                dev->mark(m);
                 replay->launch();
-                dev->mark(1);
+                dev->mark(m + 1);
                 dev->synchronize();
-                rec.graph_us.push_back(dev->elapsed_us(0, 1));
+                rec.graph_us.push_back(dev->elapsed_us(m, m + 1));
             }
-            dev->synchronize();
-            group->barrier();
+            line_up();
             for (int i = 0; i < s.rounds; ++i) {
-                dev->mark(i);
+                dev->mark(b2b_graph_marks + i);
                 replay->launch();
             }
-            dev->mark(s.rounds);
+            dev->mark(b2b_graph_marks + s.rounds);
             dev->synchronize();
-            for (int i = 0; i < s.rounds; ++i) rec.b2b_graph_us.push_back(dev->elapsed_us(i, i + 1));
+            for (int i = 0; i < s.rounds; ++i)
+                rec.b2b_graph_us.push_back(dev->elapsed_us(b2b_graph_marks + i, b2b_graph_marks + i + 1));
             const bool d_ok = check_dispatch(gres, "graph replay");
             const bool c_ok = check_combine(out_graph, "graph replay");
             rec.graph_checks.push_back(d_ok && c_ok);
             buf->check();
         }
-        group->barrier();  // no rank frees its memory while a peer may still read it
+        // every call's start against rank 0's (its marks are complete once it passes the barrier)
+        dev->synchronize();
+        group->barrier();
+        RankDevice& ref = *devs[0];
+        auto starts = [&](std::vector<double>& into, size_t calls, int first, int step) {
+            for (size_t i = 0; i < calls; ++i) {
+                const int mk = first + step * static_cast<int>(i);
+                into.push_back(dev->since_us(ref, mk, mk));
+            }
+        };
+        starts(rec.dispatch_at, rec.dispatch_us.size(), iso_marks, 4);
+        starts(rec.combine_at, rec.combine_us.size(), iso_marks + 2, 4);
+        starts(rec.b2b_dispatch_at, rec.b2b_dispatch_us.size(), b2b_marks, 3);
+        starts(rec.b2b_combine_at, rec.b2b_combine_us.size(), b2b_marks + 1, 3);
+        starts(rec.graph_at, rec.graph_us.size(), graph_marks, 2);
+        starts(rec.b2b_graph_at, rec.b2b_graph_us.size(), b2b_graph_marks, 1);
+        group->barrier();  // no rank frees its memory while a peer may still read it (or rank 0's marks)
     };
     std::vector<std::thread> threads;
     for (int r = 0; r < nr; ++r)
@@ -684,21 +773,21 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
     const Traffic& tr = rep.traffic;
     rep.num_sms_used = recs[0].num_sms;
     rep.dispatch.name = "dispatch";
-    rep.dispatch.isolated = timing(recs, &RankRecord::dispatch_us, s.warmup);
-    rep.dispatch.back_to_back = timing(recs, &RankRecord::b2b_dispatch_us, 0);
+    rep.dispatch.isolated = timing(recs, &RankRecord::dispatch_us, s.warmup, &RankRecord::dispatch_at);
+    rep.dispatch.back_to_back = timing(recs, &RankRecord::b2b_dispatch_us, 0, &RankRecord::b2b_dispatch_at);
     set_bytes(rep.dispatch, tr.peer_messages, tr.local_messages, tr.dispatch_peer_bytes(), tr.dispatch_local_bytes(),
               tr.dispatch_hbm_bytes, tr.dispatch_min_hbm_bytes, rep.hbm_gbps);
     tally(rep.dispatch, recs, &RankRecord::dispatch_checks);
     rep.combine.name = "combine";
-    rep.combine.isolated = timing(recs, &RankRecord::combine_us, s.warmup);
-    rep.combine.back_to_back = timing(recs, &RankRecord::b2b_combine_us, 0);
+    rep.combine.isolated = timing(recs, &RankRecord::combine_us, s.warmup, &RankRecord::combine_at);
+    rep.combine.back_to_back = timing(recs, &RankRecord::b2b_combine_us, 0, &RankRecord::b2b_combine_at);
     set_bytes(rep.combine, tr.peer_messages, tr.local_messages, tr.combine_peer_bytes(), tr.combine_local_bytes(),
               tr.combine_hbm_bytes, tr.combine_min_hbm_bytes, rep.hbm_gbps);
     tally(rep.combine, recs, &RankRecord::combine_checks);
     if (s.graph) {
         rep.graph.name = "graph";
-        rep.graph.isolated = timing(recs, &RankRecord::graph_us, s.warmup);
-        rep.graph.back_to_back = timing(recs, &RankRecord::b2b_graph_us, 0);
+        rep.graph.isolated = timing(recs, &RankRecord::graph_us, s.warmup, &RankRecord::graph_at);
+        rep.graph.back_to_back = timing(recs, &RankRecord::b2b_graph_us, 0, &RankRecord::b2b_graph_at);
         set_bytes(rep.graph, tr.peer_messages, tr.local_messages, tr.dispatch_peer_bytes() + tr.combine_peer_bytes(),
                   tr.dispatch_local_bytes() + tr.combine_local_bytes(), tr.dispatch_hbm_bytes + tr.combine_hbm_bytes,
                   tr.dispatch_min_hbm_bytes + tr.combine_min_hbm_bytes, rep.hbm_gbps);

@@ -46,7 +46,13 @@ struct Scenario {
     int num_sms = 0;
     bool back_to_back = true;  // also time `rounds` calls enqueued without host synchronisation
     bool graph = false;        // cuda: also time replays of a captured dispatch + combine
-    double hbm_gbps = 0;       // HBM floor denominator; 0 = measure (cuda, one GPU)
+    // Before every timed call the ranks meet at the group's barrier; with start_line they then also
+    // line up at a spinning start line that releases them together (the barrier's condition
+    // variable wakes them one after another). Off by default: on one H200 with 8 ranks the GPU-side
+    // start spread was about 11 us either way, and the spinning made decode slower (docs/PERFORMANCE.md,
+    // "Seventh session").
+    bool start_line = false;
+    double hbm_gbps = 0;  // HBM floor denominator; 0 = measure (cuda, one GPU)
     int rounds = 5;
     int warmup = 1;
     uint64_t seed = 1;
@@ -68,6 +74,11 @@ struct Timing {
     std::vector<double> round_us;              // per timed round: the slowest rank's latency
     std::vector<std::vector<double>> rank_us;  // [round][rank]
     double median_us = 0, mean_us = 0, min_us = 0, max_us = 0;
+    // Where every rank's marks share one clock (one GPU, or the host): per round, the last rank's
+    // start minus the first's, and the last end minus the last start (the collective's time once
+    // every rank has begun); medians over the timed rounds, -1 where not measured.
+    std::vector<double> start_spread_rounds, from_last_start_rounds;
+    double start_spread_us = -1, from_last_start_us = -1;
     bool empty() const { return round_us.empty(); }
 };
 

@@ -280,6 +280,9 @@ int main(int argc, char** argv) {
         "cuda: also time a CUDA graph of one dispatch + combine, replayed (implies --graph-mode: a captured "
         "call cannot synchronise with the host)");
     bench->add_flag("!--no-b2b", bs.back_to_back, "skip the back-to-back timing");
+    bench->add_flag("--start-line", bs.start_line,
+                    "after the group's barrier before every timed call, also release the ranks together from a "
+                    "spinning start line (the barrier wakes them one after another)");
     bench->add_option("--gpus", bs.num_gpus, "cuda: GPUs the ranks spread over (rank r on GPU r % N; default 1)")
         ->check(int_range(1))
         ->capture_default_str();

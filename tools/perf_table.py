@@ -14,7 +14,9 @@ one issue 15's targets use) and "min" (hbm_min_floor_us: every row written once 
 place, the least any implementation moves). --info takes `elasticep info --json` of the memory
 target's shape (EP128, C = 8192: `--ranks 128 --tokens 8192 --alignment 128 --backend cuda`): its
 host-sync reservation against the 4 GiB target, and beside it what the buffer-owned contiguous
-outputs add (their worst case, M_cap rows). Prints a Markdown table; --json FILE writes the same
+outputs add (their worst case, M_cap rows). Where the bench measured it (ranks on one clock), the isolated
+figures also show the ranks' start spread (the last rank's start minus the first's) and the time from
+the last rank's start to the last end, medians over the rounds. Prints a Markdown table; --json FILE writes the same
 figures as JSON. Exit status 0 whether or not a target is met (the table says which).
 """
 import argparse
@@ -65,12 +67,16 @@ def figures(doc, tokens, phase):
         p = ph.get(name) or {}
         return p.get("hbm_floor_us"), p.get("hbm_min_floor_us")
 
+    def spread(name, key="latency_us"):  # the ranks' start spread and the time from the last start
+        t = (ph.get(name) or {}).get(key) or {}
+        return t.get("start_spread"), t.get("from_last_start")
+
     out = []
     for name in ("dispatch", "combine"):
-        out.append((name, med(name)) + floors(name))
+        out.append((name, med(name)) + floors(name) + spread(name))
     if phase == "decode" and ph.get("graph"):
-        out.append(("graph", med("graph")) + floors("graph"))
-        out.append(("graph b2b", med("graph", "back_to_back_us")) + floors("graph"))
+        out.append(("graph", med("graph")) + floors("graph") + spread("graph"))
+        out.append(("graph b2b", med("graph", "back_to_back_us")) + floors("graph") + (None, None))
     return out
 
 
@@ -121,7 +127,7 @@ def build(args):
         if docs[phase] is None:
             continue
         base_fig = {f[0]: f[1] for f in figures(base[phase], tokens[phase], phase)}
-        for name, us, floor, min_floor in figures(docs[phase], tokens[phase], phase):
+        for name, us, floor, min_floor, spread, from_last in figures(docs[phase], tokens[phase], phase):
             target, met = verdict(phase, name, us, floor)
             b = base_fig.get(name)
             rows.append({
@@ -130,6 +136,7 @@ def build(args):
                 "x_min_floor": us / min_floor if us and min_floor else None, "target": target, "met": met,
                 "base_us": b, "change": (us - b) / b if us is not None and b else None,
                 "emulation_us": emulation_us(emu, phase, name),
+                "start_spread_us": spread, "from_last_start_us": from_last,
             })
     return docs, base, rows
 
@@ -155,11 +162,14 @@ def memory_rows(info):
 def markdown(docs, base, rows, mem=()):
     has_base = any(r["base_us"] is not None for r in rows)
     has_emu = any(r["emulation_us"] is not None for r in rows)
+    has_spread = any(r.get("start_spread_us") is not None for r in rows)
     head = ["phase", "figure", "measured", "floor", "x floor", "min floor", "x min", "target", "met"]
     if has_base:
         head += ["base", "change"]
     if has_emu:
         head += ["torch emulation"]
+    if has_spread:
+        head += ["start spread", "from last start"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         met = "" if r["met"] is None else ("yes" if r["met"] else "**no**")
@@ -170,6 +180,8 @@ def markdown(docs, base, rows, mem=()):
             cells += [fmt(r["base_us"], " us"), "-" if r["change"] is None else "%+.1f %%" % (100 * r["change"])]
         if has_emu:
             cells += [fmt(r["emulation_us"], " us")]
+        if has_spread:
+            cells += [fmt(r.get("start_spread_us"), " us"), fmt(r.get("from_last_start_us"), " us")]
         lines.append("| " + " | ".join(cells) + " |")
     if mem:
         lines += ["", "| memory (per rank) | shape | GiB | target | met |", "| --- | --- | --- | --- | --- |"]

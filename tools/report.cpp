@@ -42,8 +42,14 @@ std::string verified_cell(const BenchReport& r) {
 
 Json timing_json(const Timing& t) {
     if (t.empty()) return nullptr;
-    return Json{{"median", t.median_us}, {"mean", t.mean_us},    {"min", t.min_us},
-                {"max", t.max_us},       {"rounds", t.round_us}, {"per_rank", t.rank_us}};
+    Json j{{"median", t.median_us}, {"mean", t.mean_us},    {"min", t.min_us},
+           {"max", t.max_us},       {"rounds", t.round_us}, {"per_rank", t.rank_us}};
+    const bool clock = t.start_spread_us >= 0;
+    j["start_spread"] = clock ? Json(t.start_spread_us) : Json();
+    j["from_last_start"] = clock ? Json(t.from_last_start_us) : Json();
+    j["start_spread_rounds"] = t.start_spread_rounds;
+    j["from_last_start_rounds"] = t.from_last_start_rounds;
+    return j;
 }
 
 Json phase_json(const BenchReport& r, const PhaseStats& p) {
@@ -115,7 +121,8 @@ std::string format_report(const std::vector<BenchReport>& reports) {
     if (cuda) os << "kernel path: " << first.kernel_path << "\n";
     os << "rounds: " << s.rounds << " timed + " << s.warmup << " warm-up per row, seed " << s.seed
        << "; latency = the slowest rank per round, median of the timed rounds; isolated: the ranks meet at a barrier "
-          "before every call";
+          "before every call"
+       << (s.start_line ? " and leave it together (--start-line)" : "");
     if (s.back_to_back)
         os << "; b2b: the rounds enqueued back to back, no host synchronisation between the calls"
            << (s.host_sync && s.layout == Layout::kExpertContiguous ? " (a host-sync dispatch still waits for M inside)"
@@ -175,6 +182,21 @@ std::string format_report(const std::vector<BenchReport>& reports) {
         os << row << "\n";
     }
     if (cuda) os << "(sms: SMs the dispatch used; * = chosen by the library)\n";
+    // the ranks' start spread, where their marks share a clock
+    for (const BenchReport& r : reports) {
+        std::vector<std::pair<std::string, const Timing*>> cells{{"dispatch", &r.dispatch.isolated},
+                                                                 {"combine", &r.combine.isolated}};
+        if (s.graph) cells.push_back({"graph", &r.graph.isolated});
+        std::string spread, rest;
+        for (const auto& [name, t] : cells) {
+            if (t->start_spread_us < 0) continue;
+            spread += (spread.empty() ? "" : ", ") + name + " " + us(t->start_spread_us);
+            rest += (rest.empty() ? "" : ", ") + name + " " + us(t->from_last_start_us);
+        }
+        if (!spread.empty())
+            os << "T=" << r.scenario.tokens << " isolated, medians: ranks' start spread " << spread
+               << " us; from the last rank's start to the last end " << rest << " us\n";
+    }
     os << "\n";
 
     bool all_ok = true;
@@ -236,6 +258,7 @@ std::string report_json(const std::vector<BenchReport>& reports, int indent) {
             {"skew", s.skew},
             {"drop", s.drop},
             {"back_to_back", s.back_to_back},
+            {"start_line", s.start_line},
             {"graph", s.graph},
             {"rounds", s.rounds},
             {"warmup", s.warmup},

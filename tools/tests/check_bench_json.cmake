@@ -70,6 +70,39 @@ macro(check_traffic h msg peer local routes rounds)
   expect_eq("combine local_bytes" ${v} ${clocal})
 endmacro()
 
+# The ranks' start spread (the CPU backend's marks share the host's clock): every timed round has one,
+# it is not negative, and the time from the last rank's start to the last end lies between 0 and the
+# round's latency (the slowest rank's own time).
+macro(check_start_spread rounds)
+  foreach(phase dispatch combine)
+    string(JSON n LENGTH "${R}" phases ${phase} latency_us start_spread_rounds)
+    expect_eq("${phase} start spread rounds" ${n} ${rounds})
+    math(EXPR last "${rounds} - 1")
+    foreach(i RANGE ${last})
+      string(JSON sp GET "${R}" phases ${phase} latency_us start_spread_rounds ${i})
+      string(JSON fl GET "${R}" phases ${phase} latency_us from_last_start_rounds ${i})
+      string(JSON lat GET "${R}" phases ${phase} latency_us rounds ${i})
+      if(sp LESS 0 OR fl LESS 0 OR fl GREATER lat)
+        message(FATAL_ERROR "${CURRENT_CASE}: ${phase} round ${i}: start spread ${sp}, from the last start ${fl}, "
+                            "latency ${lat}")
+      endif()
+    endforeach()
+  endforeach()
+endmacro()
+
+# One rank: no spread, and from its start to its end is its latency.
+macro(check_one_rank_spread)
+  foreach(phase dispatch combine)
+    string(JSON sp GET "${R}" phases ${phase} latency_us start_spread)
+    string(JSON fl GET "${R}" phases ${phase} latency_us from_last_start)
+    string(JSON med GET "${R}" phases ${phase} latency_us median)
+    if(NOT sp EQUAL 0 OR NOT fl EQUAL med)
+      message(FATAL_ERROR "${CURRENT_CASE}: ${phase}: one rank's start spread ${sp} (want 0), from its start "
+                          "${fl} (want its median ${med})")
+    endif()
+  endforeach()
+endmacro()
+
 # Every isolated round (warm-up included) checks both phases; the back-to-back run checks its last
 # dispatch and every one of its `rounds` combines.
 macro(check_verified want warmup rounds)
@@ -91,6 +124,7 @@ endmacro()
 run_case(all_ranks 0 --ranks 3 --tokens 5 --hidden 64 --experts 6 --topk 6 --payload bf16 --rounds 3 --warmup 1)
 message_bytes(msg 64 2 0 6)
 check_traffic(64 ${msg} 30 15 90 3)
+check_start_spread(3)
 check_verified(ON 1 3)
 # back to back: 3 timed rounds too
 string(JSON n LENGTH "${R}" phases dispatch back_to_back_us rounds)
@@ -116,6 +150,8 @@ run_case(one_rank 0 --ranks 1 --tokens 7 --hidden 256 --experts 4 --topk 3 --pay
          --layout masked --idx-dtype int32 --rounds 2 --warmup 0)
 message_bytes(msg 256 1 2 3)
 check_traffic(256 ${msg} 0 7 21 2)
+check_start_spread(2)
+check_one_rank_spread()
 check_verified(ON 0 2)
 
 # 3. every route dropped: nothing moves, and the (empty) outputs still verify.
