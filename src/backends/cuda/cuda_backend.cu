@@ -244,6 +244,7 @@ class CudaBackend final : public BackendBuffer {
             ws_ptr_ = transport::pool_alloc(static_cast<size_t>(ws_bytes), dev_, own_stream_);
             ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_ptr_, 0, static_cast<size_t>(ws_bytes), own_stream_));
             ws_ = Workspace::carve(shape_, ws_ptr_);
+            ws_.points = stages_.points();  // ELASTICEP_STAGE_TIMES=1: the direct kernels' device points
             ELASTICEP_CUDA_CALL(cudaMemsetAsync(ws_.first_bad_route, 0xff, sizeof(*ws_.first_bad_route), own_stream_));
             ELASTICEP_CUDA_CALL(cudaStreamSynchronize(own_stream_));
             watch_ = std::make_unique<cuda::PeerWatch>(rank_, num_ranks_, cfg_.timeout, region_, *window_,

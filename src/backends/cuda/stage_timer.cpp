@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 
+#include "kernels/common/buffer_layout.hpp"
 #include "kernels/common/cuda_check.hpp"
 
 namespace elasticep::detail::cuda {
@@ -13,8 +15,46 @@ StageTimer::StageTimer(int rank) : rank_(rank) {
     on_ = v && std::string(v) == "1";
 }
 
+namespace {
+
+// The intervals between consecutive DevicePoints of each phase: (from, to, name).
+struct Interval {
+    int from, to;
+    const char* name;
+};
+constexpr Interval kDispatchIntervals[] = {
+    {kernels::kPtDispatchEntry, kernels::kPtPlanned, "[device] plan (entry to last block)"},
+    {kernels::kPtPlanned, kernels::kPtPublished, "[device] publish"},
+    {kernels::kPtPublished, kernels::kPtPlansSeen, "[device] wait for plans"},
+    {kernels::kPtPlansSeen, kernels::kPtMoveEntry, "[device] second launch's start"},
+    {kernels::kPtMoveEntry, kernels::kPtTablesRead, "[device] tables (block 0)"},
+    {kernels::kPtTablesRead, kernels::kPtMoved, "[device] move (to last block)"},
+    {kernels::kPtMoved, kernels::kPtRowsSeen, "[device] wait for rows"},
+    {kernels::kPtDispatchEntry, kernels::kPtRowsSeen, "[device] entry to end"},
+};
+constexpr Interval kCombineIntervals[] = {
+    {kernels::kPtCombineEntry, kernels::kPtReadySeen, "[device] publish, wait for ready"},
+    {kernels::kPtReadySeen, kernels::kPtReduceEntry, "[device] second launch's start"},
+    {kernels::kPtReduceEntry, kernels::kPtReduceReady, "[device] meet, y pointers (block 0)"},
+    {kernels::kPtReduceReady, kernels::kPtReduced, "[device] reduce (to last block)"},
+    {kernels::kPtReduced, kernels::kPtDoneSeen, "[device] wait for done"},
+    {kernels::kPtCombineEntry, kernels::kPtDoneSeen, "[device] entry to end"},
+};
+
+}  // namespace
+
+uint64_t* StageTimer::points() {
+    if (!on_) return nullptr;
+    if (points_ == nullptr) {
+        ELASTICEP_CUDA_CALL(cudaMalloc(&points_, kernels::kNumDevicePoints * sizeof(uint64_t)));
+        ELASTICEP_CUDA_CALL(cudaMemset(points_, 0, kernels::kNumDevicePoints * sizeof(uint64_t)));
+    }
+    return points_;
+}
+
 StageTimer::~StageTimer() {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    if (points_) cudaFree(points_);
     if (!on_) return;
     for (Stage& s : stages_) {
         if (s.us.empty()) continue;
@@ -65,6 +105,17 @@ void StageTimer::end() {
         total += 1000.0f * ms;
     }
     stage(phase_ + " total").us.push_back(total);
+    if (points_ == nullptr) return;
+    uint64_t at[kernels::kNumDevicePoints] = {};
+    ELASTICEP_CUDA_CALL(cudaMemcpyAsync(at, points_, sizeof at, cudaMemcpyDeviceToHost, stream_));
+    ELASTICEP_CUDA_CALL(cudaMemsetAsync(points_, 0, sizeof at, stream_));
+    ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream_));
+    const bool dispatch = phase_ == "dispatch";
+    for (const Interval& i : dispatch
+                                 ? std::vector<Interval>(std::begin(kDispatchIntervals), std::end(kDispatchIntervals))
+                                 : std::vector<Interval>(std::begin(kCombineIntervals), std::end(kCombineIntervals)))
+        if (at[i.from] != 0 && at[i.to] != 0 && at[i.to] >= at[i.from])
+            stage(phase_ + " " + i.name).us.push_back(static_cast<float>(at[i.to] - at[i.from]) / 1000.0f);
 }
 
 StageTimer::Stage& StageTimer::stage(const std::string& name) {

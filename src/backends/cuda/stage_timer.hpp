@@ -5,10 +5,14 @@
 // would not make: use it with the bench's isolated rounds, not for back-to-back figures), and the
 // buffer prints one line per stage on stderr when it is destroyed: the median and the minimum of
 // the event-to-event times, in microseconds. A stage includes the time its kernel waited for peers.
+// The direct path's kernels also stamp points of each call on the device clock (DevicePoint,
+// src/kernels/common/buffer_layout.hpp) into points(); the timer adds the time between every two
+// consecutive points that both ran as a stage named "<phase> [device] <interval>".
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -22,6 +26,9 @@ class StageTimer {
     StageTimer& operator=(const StageTimer&) = delete;
 
     bool on() const { return on_; }
+    // Device memory for a call's DevicePoint stamps (zeroed after every call), or nullptr when off.
+    // Call with the buffer's device current.
+    uint64_t* points();
     // The start of a call of `phase` ("dispatch", "combine") on `stream`; nothing while capturing.
     void begin(const char* phase, cudaStream_t stream, bool capturing);
     // After the launch of the stage named `stage` (the kernel just enqueued on the call's stream).
@@ -44,6 +51,7 @@ class StageTimer {
     std::vector<cudaEvent_t> events_;  // pool; events_[0] is the call's start
     std::vector<std::string> names_;   // names_[i]: the stage that ends at events_[i + 1]
     std::vector<Stage> stages_;        // in first-seen order
+    uint64_t* points_ = nullptr;       // device [kNumDevicePoints]
 };
 
 }  // namespace elasticep::detail::cuda

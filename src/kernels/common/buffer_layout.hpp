@@ -206,6 +206,26 @@ struct CallState {
     int32_t pad[3];
 };
 
+// Device-clock points of one call of the direct path (global timer, ns), written by thread 0 of the block
+// named when Workspace::points is set (ELASTICEP_STAGE_TIMES=1; cuda::StageTimer reads and names them).
+enum DevicePoint : int {
+    kPtDispatchEntry = 0,  // publish-and-meet launch, block 0 starts
+    kPtPlanned,            // its last block has seen every block's plan
+    kPtPublished,          // ... and signalled every peer's plan flag
+    kPtPlansSeen,          // ... and seen every sender's
+    kPtMoveEntry,          // move-and-finish launch, block 0 starts
+    kPtTablesRead,         // block 0 has read every sender's counts and outputs
+    kPtMoved,              // the last block to finish moving arrives
+    kPtRowsSeen,           // ... and has seen every sender's sent flag
+    kPtCombineEntry,       // combine publish-and-meet launch (one block) starts
+    kPtReadySeen,          // ... it has seen every holder's ready flag
+    kPtReduceEntry,        // combine move-and-finish launch, block 0 starts
+    kPtReduceReady,        // block 0 has met the ready flags and read every holder's y pointer
+    kPtReduced,            // the last block to finish reducing arrives
+    kPtDoneSeen,           // ... and has seen every origin's done flag
+    kNumDevicePoints
+};
+
 // One rank's local scratch, device memory only this rank touches (the direct path's peers read
 // nothing here either: what they read is published in the window).
 struct Workspace {
@@ -236,6 +256,7 @@ struct Workspace {
     unsigned* arrive;            // direct [4] blocks of a grid that finished a stage (the last resets it)
     unsigned long long* bad_at;  // direct [1] the call's first invalid route found by a fused plan
     int64_t bytes;               // the whole workspace
+    uint64_t* points = nullptr;  // [kNumDevicePoints] or nullptr (not carved: the stage timer's memory)
 
     // The one list of the pieces: sizes it (base == nullptr) and carves it (base = the allocation).
     ELASTICEP_HD static Workspace carve(const Shape& s, void* base) {

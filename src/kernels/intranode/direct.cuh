@@ -51,6 +51,8 @@
 //   finish    block 0 waits for every origin's done flag: nobody reads this rank's y any more.
 // Scope: every peer shares this GPU, so flags are released and acquired at GPU scope, and each block
 // fences at GPU scope once, before its arrival.
+// Points (ELASTICEP_STAGE_TIMES=1 only: ws.points set): thread 0 of the block that reaches each step
+// stamps the device clock into ws.points (DevicePoint), which the stage timer reports per call.
 #pragma once
 
 #include "kernels/intranode/combine.cuh"
@@ -123,6 +125,17 @@ __device__ __forceinline__ bool block_meet(const Team& team, OffsetOf offset_of,
     return met;
 }
 
+// Thread 0 writes the device clock into point `i` of this call (DevicePoint), when the stage timer asked
+// for points; i < 0: none.
+__device__ __forceinline__ void stamp(const Workspace& ws, int i) {
+    if (ws.points != nullptr && i >= 0 && threadIdx.x == 0) ws.points[i] = transport::global_timer_ns();
+}
+
+// The entry point of a direct launch of `step` (block 0 stamps it): the first launch's or the second's.
+__device__ __forceinline__ int entry_point(int step, int first, int second) {
+    return step == kStepFinish ? -1 : (step == kStepMove || step == kStepMoveFinish) ? second : first;
+}
+
 template <class Team, SendPayload kPayload, bool kIdx64>
 __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchParams<Team> p) {
     constexpr bool kFP8 = payload_is_fp8(kPayload);
@@ -142,6 +155,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     const int step = p.step;
     const bool contiguous = p.expert_alignment > 0;  // 0: the masked layout
     if (p.ws.state->timed_out != 0) return;
+    if (blockIdx.x == 0) stamp(p.ws, entry_point(step, kPtDispatchEntry, kPtMoveEntry));
     const uint64_t epoch = *p.ws.epoch + 1;
     const int parity = static_cast<int>(epoch & 1);
     const int64_t rc = sh.slots();
@@ -221,6 +235,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
             }
             // ---- publish (the last block to finish its plan) ----
             if (last_block_arrives(&p.ws.arrive[2])) {
+                stamp(p.ws, kPtPlanned);
                 uint8_t* mine = team.self();
                 int32_t* counts_out = RegionLayout::at<int32_t>(mine, region.published_count_row(parity));
                 for (int e = threadIdx.x; e < ne; e += blockDim.x) counts_out[e] = running[e];
@@ -242,11 +257,14 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 Team::fence_gpu();
                 __syncthreads();
                 for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.plan_flag(rank), epoch);
+                stamp(p.ws, kPtPublished);
                 // the rest of the grid has exited: this one block waits for every sender's plan
-                if (step == kStepPublishMeet)
+                if (step == kStepPublishMeet) {
                     block_meet(
                         team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record,
                         p.ws);
+                    stamp(p.ws, kPtPlansSeen);
+                }
             }
             if (step == kStepPublish || step == kStepPublishMeet) return;
         }
@@ -364,6 +382,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 }
             }
             __syncthreads();
+            if (blockIdx.x == 0) stamp(p.ws, kPtTablesRead);
 
             // ---- move: this rank's rows into their receivers' outputs ----
             if (!rejected && !((dropped >> rank) & 1ull)) {
@@ -575,6 +594,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
             if (blockIdx.x != 0) return;
         } else {
             const bool last = last_block_arrives(&p.ws.arrive[0]);
+            if (last) stamp(p.ws, kPtMoved);
             if (last)
                 for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.sent_flag(rank), epoch);
             if (step == kStepMoveFinish) finisher = last;
@@ -586,9 +606,11 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     __shared__ int skip;
     if (threadIdx.x == 0) skip = p.ws.state->timed_out;
     __syncthreads();
-    if (skip == 0)
+    if (skip == 0) {
         block_meet(
             team, [&](int q) { return region.sent_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record, p.ws);
+        stamp(p.ws, kPtRowsSeen);
+    }
     if (threadIdx.x == 0) *p.ws.epoch = epoch;
 }
 
@@ -602,6 +624,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
     const int lane = lane_id(), warp = warp_id();
     const int step = p.step;
     if (p.ws.state->timed_out != 0) return;
+    if (blockIdx.x == 0) stamp(p.ws, entry_point(step, kPtCombineEntry, kPtReduceEntry));
     const uint64_t epoch = *p.ws.epoch;
     const int parity = static_cast<int>(epoch & 1);
     __shared__ const uint16_t* ys[kDirectMaxRanks];
@@ -622,6 +645,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
         auto ready = [&](int q) { return region.ready_flag(q); };
         if (step == kStepPublishMeet) {  // one block: every holder's y is published
             block_meet(team, ready, epoch, p.timeout_ns, kPhaseCombine, p.record, p.ws);
+            stamp(p.ws, kPtReadySeen);
             return;
         }
         // ---- move: every holder's y, this rank's tokens reduced ----
@@ -630,6 +654,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
             ys[q] = reinterpret_cast<const uint16_t*>(__ldcg(reinterpret_cast<const unsigned long long*>(
                 RegionLayout::at<const uint64_t>(team.window(q), region.published_y_word(parity)))));
         __syncthreads();
+        if (blockIdx.x == 0) stamp(p.ws, kPtReduceReady);
         const int warps_total = gridDim.x * kWarps;
         const int chunks = sh.hidden / 8;
         const int iters = (chunks + 31) / 32;
@@ -706,6 +731,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
             (void)n_dest;
         }
         const bool last = last_block_arrives(&p.ws.arrive[1]);
+        if (last) stamp(p.ws, kPtReduced);
         if (last)
             for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.done_flag(rank), epoch);
         if (step == kStepMove || (step == kStepMoveFinish ? !last : blockIdx.x != 0)) return;
@@ -714,6 +740,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
     if (step == kStepFinish && blockIdx.x != 0) return;
     block_meet(
         team, [&](int q) { return region.done_flag(q); }, epoch, p.timeout_ns, kPhaseCombine, p.record, p.ws);
+    stamp(p.ws, kPtDoneSeen);
 }
 
 }  // namespace elasticep::kernels
