@@ -181,7 +181,9 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     __shared__ int64_t dst_cs[kWarps][kMaxTopk];
 
     if (step != kStepFinish) {
-        if (step != kStepMove) {
+        // the plan and publish run in the first launch only (the second, kStepMove or kStepMoveFinish,
+        // reads what the first wrote: ws.pos_in_expert and the published counts)
+        if (step == kStepAll || step == kStepPublish || step == kStepPublishMeet) {
             // ---- plan: every block reads every token (one thread each), chunk by chunk ----
             for (int e = threadIdx.x; e < ne; e += blockDim.x) running[e] = 0;
             if (threadIdx.x == 0) first_bad = detail::kNoRouteKey;
@@ -633,8 +635,8 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
     __shared__ uint8_t end_list[kWarps][kMaxTopk];  // bit 0: last route of its destination; bit 1: of its node
 
     if (step != kStepFinish) {
-        // ---- publish (block 0): where this rank's y is ----
-        if (step != kStepMove && blockIdx.x == 0) {
+        // ---- publish (block 0, first launch only): where this rank's y is ----
+        if ((step == kStepAll || step == kStepPublish || step == kStepPublishMeet) && blockIdx.x == 0) {
             if (threadIdx.x == 0)
                 *RegionLayout::at<const uint16_t*>(team.self(), region.published_y_word(parity)) = p.y;
             Team::fence_gpu();
