@@ -20,7 +20,8 @@
 //             ids checked, repeats dropped), into a bitmap of the chunk's tokens per expert in shared
 //             memory, so a route's position among the rank's routes to its expert (t ascending) is a
 //             running count plus a popcount; each block writes the positions of its share of the
-//             tokens (ws.pos_in_expert). No plan kernel.
+//             tokens (ws.pos_in_expert). No plan kernel. Block 0 alone reads the host-mapped sticky
+//             word (a PCIe round trip), at its entry.
 //   publish   the last block to finish its plan (ws.arrive) resolves the route status
 //             (decide_route_status) and writes, in this rank's own window, its per-expert route counts
 //             and its DirectOutputs (output pointers, scale strides, status); then signals every
@@ -31,12 +32,13 @@
 //             that fails is dropped everywhere alike and recorded as a peer fault) and statuses (any
 //             bad one rejects the call on every rank), and derives, for every receiver d and local
 //             expert l, the segment start and this rank's first row there (SEMANTICS order: senders
-//             ascending); block 0 writes this rank's counts, offsets, expert_load and host record.
+//             ascending).
 //   move      warps take RowSlices of this rank's tokens: clean routes, quantize once (fp8 fused),
 //             store the row into every route's receiver row, with its scales, weight, source and
 //             m_indices; ws.route_row / route_w / clean_idx for the combine. Then the padding rows of
 //             this rank's own outputs. The last block to finish (ws.arrive) signals every receiver's
-//             sent flag.
+//             sent flag, then writes this rank's counts, offsets, expert_load and host record (the
+//             record's system fence in one block, after the signal).
 //   finish    block 0 waits (bounded) for every sender's sent flag: this rank's outputs are complete.
 //             It advances ws.epoch.
 // direct_combine_kernel  grid and steps as above; device waits: kStepPublishMeet (one block publishes
@@ -156,6 +158,13 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     const bool contiguous = p.expert_alignment > 0;  // 0: the masked layout
     if (p.ws.state->timed_out != 0) return;
     if (blockIdx.x == 0) stamp(p.ws, entry_point(step, kPtDispatchEntry, kPtMoveEntry));
+    // the host-mapped sticky word (a PCIe round trip): loaded here by block 0's thread 0 alone, which
+    // stores it in ws.state->sticky_seen before its plan's arrival; the block that publishes reads it
+    // there (the arrival orders the two)
+    const bool first_launch = step == kStepAll || step == kStepPublish || step == kStepPublishMeet;
+    const int32_t sticky_kind = first_launch && blockIdx.x == 0 && threadIdx.x == 0
+                                    ? reinterpret_cast<volatile int32_t*>(&p.record->sticky.kind)[0]
+                                    : detail::kRouteOk;
     const uint64_t epoch = *p.ws.epoch + 1;
     const int parity = static_cast<int>(epoch & 1);
     const int64_t rc = sh.slots();
@@ -183,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     if (step != kStepFinish) {
         // the plan and publish run in the first launch only (the second, kStepMove or kStepMoveFinish,
         // reads what the first wrote: ws.pos_in_expert and the published counts)
-        if (step == kStepAll || step == kStepPublish || step == kStepPublishMeet) {
+        if (first_launch) {
             // ---- plan: every block reads every token (one thread each), chunk by chunk ----
             for (int e = threadIdx.x; e < ne; e += blockDim.x) running[e] = 0;
             if (threadIdx.x == 0) first_bad = detail::kNoRouteKey;
@@ -235,6 +244,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 }
                 __syncthreads();
             }
+            if (blockIdx.x == 0 && threadIdx.x == 0) p.ws.state->sticky_seen = sticky_kind;
             // ---- publish (the last block to finish its plan) ----
             if (last_block_arrives(&p.ws.arrive[2])) {
                 stamp(p.ws, kPtPlanned);
@@ -242,7 +252,12 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 int32_t* counts_out = RegionLayout::at<int32_t>(mine, region.published_count_row(parity));
                 for (int e = threadIdx.x; e < ne; e += blockDim.x) counts_out[e] = running[e];
                 if (threadIdx.x == 0) {
-                    const RouteStatus st = resolve_route_status_of<kIdx64>(p, first_bad);
+                    // no invalid route in this call and no sticky fault: OK whatever the mode (the host
+                    // record's other words are not read)
+                    const int32_t sticky_seen = reinterpret_cast<volatile int32_t*>(&p.ws.state->sticky_seen)[0];
+                    const RouteStatus st = first_bad == detail::kNoRouteKey && sticky_seen == detail::kRouteOk
+                                               ? RouteStatus{}
+                                               : resolve_route_status_of<kIdx64>(p, first_bad);
                     *p.ws.route_status = st;
                     DirectOutputs* o = RegionLayout::at<DirectOutputs>(mine, region.published_outputs(parity));
                     o->recv_x = p.recv_x;
@@ -292,29 +307,50 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 reinterpret_cast<uint64_t*>(&desc[q])[w] = __ldcg(reinterpret_cast<const unsigned long long*>(src) + w);
             }
             const int64_t per_receiver = int64_t{cap} * (kk < el ? kk : el);
-            // one warp per (sender, receiver): its lanes read the local experts' counts side by side
-            for (int pair = warp; pair < nr * nr; pair += kWarps) {
-                const int s = pair / nr, d = pair % nr;
-                const int32_t* c = counts_of(s) + d * el;
-                int64_t sum = 0, bad_c = 0;
-                bool each_ok = true;
+            // a warp per kPairBatch (sender, receiver) pairs: its lanes read the local experts' counts side
+            // by side, the batch's loads in flight together (one round trip per batch, not one per pair)
+            constexpr int kPairBatch = 8;
+            for (int pair0 = warp * kPairBatch; pair0 < nr * nr; pair0 += kWarps * kPairBatch) {
+                int64_t sum[kPairBatch];
+                int32_t bad_c[kPairBatch];
+                bool each_ok[kPairBatch];
+#pragma unroll
+                for (int u = 0; u < kPairBatch; ++u) {
+                    sum[u] = 0;
+                    bad_c[u] = 0;
+                    each_ok[u] = true;
+                }
                 for (int l0 = 0; l0 < el; l0 += kWarpSize) {
                     const int l = l0 + lane;
-                    const int64_t v = l < el ? __ldcg(c + l) : 0;
-                    sum += v;
-                    const unsigned bad = __ballot_sync(kFullMask, l < el && !(v >= 0 && v <= cap));
-                    if (bad != 0 && each_ok) {  // the first failing count, as a serial scan finds it
-                        bad_c = __shfl_sync(kFullMask, v, __ffs(bad) - 1);
-                        each_ok = false;
+                    int32_t v[kPairBatch];
+#pragma unroll
+                    for (int u = 0; u < kPairBatch; ++u) {
+                        const int pair = pair0 + u;
+                        v[u] = pair < nr * nr && l < el ? __ldcg(counts_of(pair / nr) + (pair % nr) * el + l) : 0;
+                    }
+#pragma unroll
+                    for (int u = 0; u < kPairBatch; ++u) {
+                        sum[u] += v[u];
+                        const unsigned bad = __ballot_sync(kFullMask, l < el && !(v[u] >= 0 && v[u] <= cap));
+                        if (bad != 0 && each_ok[u]) {  // the first failing count, as a serial scan finds it
+                            bad_c[u] = __shfl_sync(kFullMask, v[u], __ffs(bad) - 1);
+                            each_ok[u] = false;
+                        }
                     }
                 }
 #pragma unroll
-                for (int o = kWarpSize / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(kFullMask, sum, o);
-                if (lane == 0 && (!each_ok || sum > per_receiver)) {
-                    atomicOr(&dropped, 1ull << s);
-                    if (blockIdx.x == 0)
-                        record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch,
-                                          each_ok ? sum : bad_c, each_ok ? per_receiver : cap);
+                for (int u = 0; u < kPairBatch; ++u) {
+                    const int pair = pair0 + u;
+                    int64_t total_c = sum[u];
+#pragma unroll
+                    for (int o = kWarpSize / 2; o > 0; o >>= 1) total_c += __shfl_xor_sync(kFullMask, total_c, o);
+                    if (lane == 0 && pair < nr * nr && (!each_ok[u] || total_c > per_receiver)) {
+                        const int s = pair / nr;
+                        atomicOr(&dropped, 1ull << s);
+                        if (blockIdx.x == 0)
+                            record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch,
+                                              each_ok[u] ? total_c : bad_c[u], each_ok[u] ? per_receiver : cap);
+                    }
                 }
             }
             __syncthreads();  // desc complete
@@ -353,36 +389,6 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
             }
             __syncthreads();
             for (int e = threadIdx.x; e < ne; e += blockDim.x) base[e] += seg[e];
-            // this rank as a receiver: the call's outputs and summary (block 0)
-            if (blockIdx.x == 0) {
-                for (int l = threadIdx.x; l < el; l += blockDim.x) {
-                    const int32_t c = total[rank * el + l];
-                    p.ws.counts[l] = c;
-                    p.ws.offsets[l] = contiguous ? seg[rank * el + l] : 0;
-                    p.ws.expert_load[l] += c;
-                }
-                if (threadIdx.x == 0) {
-                    const int32_t m_rows = contiguous ? m_of[rank] : 0;
-                    p.ws.offsets[el] = m_rows;
-                    p.ws.state->rejected = rejected ? 1 : 0;
-                    p.ws.state->num_rows = m_rows;
-                    p.ws.state->num_rounds = 1;
-                    volatile HostRecord* r = p.record;
-                    r->num_rows = m_rows;
-                    r->bad_sender = rejected ? bad_sender : -1;
-                    r->num_rounds = 1;
-                    if (rejected) {
-                        const RouteStatus b = desc[bad_sender].status;
-                        r->bad.kind = b.kind;
-                        r->bad.token = b.token;
-                        r->bad.k = b.k;
-                        r->bad.dup_of = b.dup_of;
-                        r->bad.value = b.value;
-                        r->bad.sticky = b.sticky;
-                    }
-                    __threadfence_system();
-                }
-            }
             __syncthreads();
             if (blockIdx.x == 0) stamp(p.ws, kPtTablesRead);
 
@@ -599,6 +605,38 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
             if (last) stamp(p.ws, kPtMoved);
             if (last)
                 for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.sent_flag(rank), epoch);
+            // this rank as a receiver: the call's outputs and summary, written by the last block after it
+            // has signalled (its host-record writes and system fence off every block's move)
+            if (last) {
+                const bool rejected = bad_sender < nr;
+                for (int l = threadIdx.x; l < el; l += blockDim.x) {
+                    const int32_t c = total[rank * el + l];
+                    p.ws.counts[l] = c;
+                    p.ws.offsets[l] = contiguous ? seg[rank * el + l] : 0;
+                    p.ws.expert_load[l] += c;
+                }
+                if (threadIdx.x == 0) {
+                    const int32_t m_rows = contiguous ? m_of[rank] : 0;
+                    p.ws.offsets[el] = m_rows;
+                    p.ws.state->rejected = rejected ? 1 : 0;
+                    p.ws.state->num_rows = m_rows;
+                    p.ws.state->num_rounds = 1;
+                    volatile HostRecord* r = p.record;
+                    r->num_rows = m_rows;
+                    r->bad_sender = rejected ? bad_sender : -1;
+                    r->num_rounds = 1;
+                    if (rejected) {
+                        const RouteStatus b = desc[bad_sender].status;
+                        r->bad.kind = b.kind;
+                        r->bad.token = b.token;
+                        r->bad.k = b.k;
+                        r->bad.dup_of = b.dup_of;
+                        r->bad.value = b.value;
+                        r->bad.sticky = b.sticky;
+                    }
+                    __threadfence_system();
+                }
+            }
             if (step == kStepMoveFinish) finisher = last;
         }
         if (step == kStepMove || !finisher) return;
