@@ -233,6 +233,7 @@ class CudaBackend final : public BackendBuffer {
             // The variant comes from the environment of this one process, the same for every rank.
             if (const char* v = std::getenv("ELASTICEP_DIRECT_ONE_KERNEL"); v && std::string(v) == "1")
                 direct_one_kernel_ = direct_;
+            if (const char* v = std::getenv("ELASTICEP_DIRECT_PDL"); v && std::string(v) == "0") direct_pdl_ = false;
             if (direct_) grid_sms_ = std::min(launch_.num_sms, std::max(1, device_sms / where.ranks_on_my_gpu));
             shape_ = make_shape(cfg_, num_ranks_, ring, direct_);
             region_ = RegionLayout::make(shape_);
@@ -374,8 +375,8 @@ class CudaBackend final : public BackendBuffer {
                     contiguous ? kernels::ScaleStrides{0, st[0], st[1]} : kernels::ScaleStrides{st[0], st[1], st[2]};
                 p.scales_mn_dynamic = contiguous && a.scales_mn_major && a.host_sync && !a.outputs.recv_scales;
             }
-            run_direct([&](int grid) { cuda::launch_direct_dispatch(p, modes, grid, stream); }, p, stream, capturing,
-                       kPhaseDispatch, region_.plan_flags, region_.sent_flags, 1, true);
+            run_direct([&](int grid, bool after) { cuda::launch_direct_dispatch(p, modes, grid, after, stream); }, p,
+                       stream, capturing, kPhaseDispatch, region_.plan_flags, region_.sent_flags, 1, true);
             if (p.host_sync) {
                 ELASTICEP_CUDA_CALL(cudaStreamSynchronize(stream));
                 watch_->raise_faults();
@@ -476,8 +477,8 @@ class CudaBackend final : public BackendBuffer {
         const bool nodes = shape_.node_level();
         stages_.begin("combine", stream, capturing);
         if (direct_) {
-            run_direct([&](int grid) { cuda::launch_direct_combine(p, nodes, grid, stream); }, p, stream, capturing,
-                       kPhaseCombine, region_.ready_flags, region_.done_flags, 0, false);
+            run_direct([&](int grid, bool after) { cuda::launch_direct_combine(p, nodes, grid, after, stream); }, p,
+                       stream, capturing, kPhaseCombine, region_.ready_flags, region_.done_flags, 0, false);
         } else {
             const int grid = 2 * (handle.num_sms > 0 ? handle.num_sms : launch_.num_sms);
             cuda::launch_partial(p, args.weighted, grid, stream);
@@ -548,6 +549,9 @@ class CudaBackend final : public BackendBuffer {
     // more than one block of a rank waits for peers at a time. Host waits (never inside a capture):
     // publish -> host wait for the first flags -> move -> host wait for the second -> finish (one
     // block).
+    // Device waits launch the second step as a programmatic dependent of the first (direct.cuh,
+    // wait_for_first): it is scheduled once the first's waiting block has seen the flags, its launch
+    // latency hidden behind that block's exit; ELASTICEP_DIRECT_PDL=0 launches it plainly (A/B).
     // ELASTICEP_DIRECT_ONE_KERNEL=1 (measurement only): one launch of every step, every block waiting,
     // which needs every rank's grid resident at once (nothing else on the GPU).
     // `epoch_delta`: the flags carry ws.epoch + 1 (dispatch) or ws.epoch (combine).
@@ -558,7 +562,7 @@ class CudaBackend final : public BackendBuffer {
         const int grid = grid_sms_ * direct_blocks_per_sm_;
         auto step = [&](int32_t which, int blocks, const char* name) {
             p.step = which;
-            launch(blocks);
+            launch(blocks, which == kernels::kStepMoveFinish && direct_pdl_);
             stages_.mark(name);
         };
         if (launch_.host_waits && !capturing) {
@@ -623,6 +627,7 @@ class CudaBackend final : public BackendBuffer {
     int grid_sms_ = 1;                // direct: SMs of this rank's grids (its share of the GPU)
     int direct_blocks_per_sm_ = 1;    // direct: resident blocks per SM (occupancy calculator)
     bool direct_one_kernel_ = false;  // ELASTICEP_DIRECT_ONE_KERNEL=1: kStepAll (run_direct)
+    bool direct_pdl_ = true;          // ELASTICEP_DIRECT_PDL=0: the second step launched plainly (run_direct)
     cudaStream_t own_stream_ = nullptr;
     cudaEvent_t last_event_ = nullptr;
     bool has_event_ = false;

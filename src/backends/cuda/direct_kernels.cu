@@ -2,6 +2,7 @@
 #include <algorithm>
 
 #include "backends/cuda/kernel_launch.hpp"
+#include "backends/cuda/programmatic_launch.hpp"
 #include "kernels/common/cuda_check.hpp"
 #include "kernels/intranode/direct.cuh"
 
@@ -23,19 +24,23 @@ int smem_of(const DispatchParams& p) {
 
 }  // namespace
 
-void launch_direct_dispatch(const DispatchParams& p, const DispatchModes& modes, int grid, cudaStream_t stream) {
+void launch_direct_dispatch(const DispatchParams& p, const DispatchModes& modes, int grid, bool after_first,
+                            cudaStream_t stream) {
     with_constants(
         [&](auto payload, auto idx64) {
-            kernels::direct_dispatch_kernel<Team, payload(), idx64()>
-                <<<grid, kernels::kThreads, smem_of(p), stream>>>(p);
+            launch_maybe_programmatic(kernels::direct_dispatch_kernel<Team, payload(), idx64()>, grid,
+                                      kernels::kThreads, smem_of(p), after_first, stream, p);
         },
         SendPayloadChoice{modes.payload}, BoolChoice{modes.idx64});
     ELASTICEP_CUDA_CHECK_LAUNCH();
 }
 
-void launch_direct_combine(const CombineParams& p, bool nodes, int grid, cudaStream_t stream) {
+void launch_direct_combine(const CombineParams& p, bool nodes, int grid, bool after_first, cudaStream_t stream) {
     with_constants(
-        [&](auto n) { kernels::direct_combine_kernel<Team, n()><<<grid, kernels::kThreads, 0, stream>>>(p); },
+        [&](auto n) {
+            launch_maybe_programmatic(kernels::direct_combine_kernel<Team, n()>, grid, kernels::kThreads, 0,
+                                      after_first, stream, p);
+        },
         BoolChoice{nodes});
     ELASTICEP_CUDA_CHECK_LAUNCH();
 }

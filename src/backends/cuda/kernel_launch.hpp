@@ -37,9 +37,11 @@ void launch_reduce(const CombineParams& p, bool bias, bool nodes, int grid, cuda
 void launch_reduce(const CombineParams& p, bool bias, int grid, cudaStream_t stream);
 
 // direct path (src/kernels/intranode/direct.cuh); p.step says which steps run, `grid` is 1 for
-// kStepFinish and the combine's kStepPublish and kStepPublishMeet
-void launch_direct_dispatch(const DispatchParams& p, const DispatchModes& modes, int grid, cudaStream_t stream);
-void launch_direct_combine(const CombineParams& p, bool nodes, int grid, cudaStream_t stream);
+// kStepFinish and the combine's kStepPublish and kStepPublishMeet; `after_first`: launched as a
+// programmatic dependent of the kernel before it on `stream` (kStepMoveFinish after kStepPublishMeet)
+void launch_direct_dispatch(const DispatchParams& p, const DispatchModes& modes, int grid, bool after_first,
+                            cudaStream_t stream);
+void launch_direct_combine(const CombineParams& p, bool nodes, int grid, bool after_first, cudaStream_t stream);
 // Resident blocks per SM of the direct kernels (the occupancy calculator; at most 2): their grid is
 // the rank's SM share times this (so that, in the one-kernel variant, every block of every rank can
 // wait at once).

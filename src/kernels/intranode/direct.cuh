@@ -53,6 +53,12 @@
 //   finish    block 0 waits for every origin's done flag: nobody reads this rank's y any more.
 // Scope: every peer shares this GPU, so flags are released and acquired at GPU scope, and each block
 // fences at GPU scope once, before its arrival.
+// Programmatic launch (device waits): kStepMoveFinish is launched as a programmatic dependent of
+// kStepPublishMeet (cuda::launch_direct_*; ELASTICEP_DIRECT_PDL=0: not) and waits for its completion
+// before it reads anything (wait_for_previous_grid). The first launch's waiting block lets it be
+// scheduled (allow_next_grid) only after it has seen every peer's flags, and the rest of that grid
+// has exited by then: the second launch's blocks never hold SMs while a kernel of their rank waits on
+// a peer (which, with ranks sharing a GPU, could keep a peer's first launch off the SMs).
 // Points (ELASTICEP_STAGE_TIMES=1 only: ws.points set): thread 0 of the block that reaches each step
 // stamps the device clock into ws.points (DevicePoint), which the stage timer reports per call.
 #pragma once
@@ -156,6 +162,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     const int lane = lane_id(), warp = warp_id();
     const int step = p.step;
     const bool contiguous = p.expert_alignment > 0;  // 0: the masked layout
+    if (step == kStepMoveFinish) wait_for_previous_grid();
     if (p.ws.state->timed_out != 0) return;
     if (blockIdx.x == 0) stamp(p.ws, entry_point(step, kPtDispatchEntry, kPtMoveEntry));
     // the host-mapped sticky word (a PCIe round trip): loaded here by block 0's thread 0 alone, which
@@ -281,6 +288,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                         team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record,
                         p.ws);
                     stamp(p.ws, kPtPlansSeen);
+                    allow_next_grid();
                 }
             }
             if (step == kStepPublish || step == kStepPublishMeet) return;
@@ -663,6 +671,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
     const int rank = team.rank(), nr = sh.num_ranks, kk = sh.num_topk;
     const int lane = lane_id(), warp = warp_id();
     const int step = p.step;
+    if (step == kStepMoveFinish) wait_for_previous_grid();
     if (p.ws.state->timed_out != 0) return;
     if (blockIdx.x == 0) stamp(p.ws, entry_point(step, kPtCombineEntry, kPtReduceEntry));
     const uint64_t epoch = *p.ws.epoch;
@@ -686,6 +695,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
         if (step == kStepPublishMeet) {  // one block: every holder's y is published
             block_meet(team, ready, epoch, p.timeout_ns, kPhaseCombine, p.record, p.ws);
             stamp(p.ws, kPtReadySeen);
+            allow_next_grid();
             return;
         }
         // ---- move: every holder's y, this rank's tokens reduced ----
