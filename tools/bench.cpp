@@ -238,7 +238,8 @@ class StartLine {
 
 // Per rank: latencies per call of every mode, and the outcome of every check.
 struct RankRecord {
-    std::vector<double> dispatch_us, combine_us;  // isolated, warm-up included
+    std::vector<double> dispatch_us, combine_us;            // isolated, warm-up included
+    std::vector<double> dispatch_host_us, combine_host_us;  // isolated: the host time of each call
     std::vector<double> b2b_dispatch_us, b2b_combine_us;
     std::vector<double> graph_us, b2b_graph_us;  // graph: warm-up included
     // each call's start against rank 0's start of the same call (us; NaN: not on one clock)
@@ -258,13 +259,19 @@ double median(std::vector<double> v) {
 
 // Timing over the rounds [skip, end) of one series, the slowest rank per round; `at`: the calls'
 // starts against rank 0's (RankRecord::*_at), for the start spread.
+// `host` (optional): the calls' host times (RankRecord::*_host_us), the slowest rank's per round.
 Timing timing(const std::vector<RankRecord>& recs, std::vector<double> RankRecord::*series, int skip,
-              std::vector<double> RankRecord::*at) {
+              std::vector<double> RankRecord::*at, std::vector<double> RankRecord::*host = nullptr) {
     Timing t;
     const size_t n = recs.empty() ? 0 : (recs[0].*series).size();
     for (size_t r = static_cast<size_t>(skip); r < n; ++r) {
         std::vector<double> ranks;
         for (const auto& rec : recs) ranks.push_back((rec.*series)[r]);
+        if (host != nullptr) {
+            double slowest = 0;
+            for (const auto& rec : recs) slowest = std::max(slowest, (rec.*host).at(r));
+            t.host_call_rounds.push_back(slowest);
+        }
         t.rank_us.push_back(ranks);
         t.round_us.push_back(*std::max_element(ranks.begin(), ranks.end()));
         double first = HUGE_VAL, last = -HUGE_VAL;
@@ -289,6 +296,7 @@ Timing timing(const std::vector<RankRecord>& recs, std::vector<double> RankRecor
         t.start_spread_us = median(t.start_spread_rounds);
         t.from_last_start_us = median(t.from_last_start_rounds);
     }
+    if (!t.host_call_rounds.empty()) t.host_call_us = median(t.host_call_rounds);
     t.median_us = median(t.round_us);
     t.mean_us = std::accumulate(t.round_us.begin(), t.round_us.end(), 0.0) / static_cast<double>(t.round_us.size());
     t.min_us = *std::min_element(t.round_us.begin(), t.round_us.end());
@@ -627,7 +635,9 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
             const int m = iso_marks + 4 * round;
             line_up();
             dev->mark(m);
+            const auto t_call = Clock::now();
             DispatchResult res = buf->dispatch(args);
+            rec.dispatch_host_us.push_back(seconds_since(t_call) * 1e6);
             dev->mark(m + 1);
             dev->synchronize();
             rec.dispatch_us.push_back(dev->elapsed_us(m, m + 1));
@@ -668,7 +678,9 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
             cargs.out = out_iso;
             line_up();
             dev->mark(m + 2);
+            const auto t_combine = Clock::now();
             CombineResult out = buf->combine(std::move(res.handle), cargs);
+            rec.combine_host_us.push_back(seconds_since(t_combine) * 1e6);
             dev->mark(m + 3);
             dev->synchronize();
             rec.combine_us.push_back(dev->elapsed_us(m + 2, m + 3));
@@ -773,13 +785,15 @@ BenchReport run_bench(const Scenario& s, const ProgressFn& progress) {
     const Traffic& tr = rep.traffic;
     rep.num_sms_used = recs[0].num_sms;
     rep.dispatch.name = "dispatch";
-    rep.dispatch.isolated = timing(recs, &RankRecord::dispatch_us, s.warmup, &RankRecord::dispatch_at);
+    rep.dispatch.isolated =
+        timing(recs, &RankRecord::dispatch_us, s.warmup, &RankRecord::dispatch_at, &RankRecord::dispatch_host_us);
     rep.dispatch.back_to_back = timing(recs, &RankRecord::b2b_dispatch_us, 0, &RankRecord::b2b_dispatch_at);
     set_bytes(rep.dispatch, tr.peer_messages, tr.local_messages, tr.dispatch_peer_bytes(), tr.dispatch_local_bytes(),
               tr.dispatch_hbm_bytes, tr.dispatch_min_hbm_bytes, rep.hbm_gbps);
     tally(rep.dispatch, recs, &RankRecord::dispatch_checks);
     rep.combine.name = "combine";
-    rep.combine.isolated = timing(recs, &RankRecord::combine_us, s.warmup, &RankRecord::combine_at);
+    rep.combine.isolated =
+        timing(recs, &RankRecord::combine_us, s.warmup, &RankRecord::combine_at, &RankRecord::combine_host_us);
     rep.combine.back_to_back = timing(recs, &RankRecord::b2b_combine_us, 0, &RankRecord::b2b_combine_at);
     set_bytes(rep.combine, tr.peer_messages, tr.local_messages, tr.combine_peer_bytes(), tr.combine_local_bytes(),
               tr.combine_hbm_bytes, tr.combine_min_hbm_bytes, rep.hbm_gbps);

@@ -79,6 +79,10 @@ struct Timing {
     // every rank has begun); medians over the timed rounds, -1 where not measured.
     std::vector<double> start_spread_rounds, from_last_start_rounds;
     double start_spread_us = -1, from_last_start_us = -1;
+    // Isolated calls: per round, the slowest rank's host time of the call (from entering dispatch() or
+    // combine() to its return, on the host's clock); their median; -1 where not measured.
+    std::vector<double> host_call_rounds;
+    double host_call_us = -1;
     bool empty() const { return round_us.empty(); }
 };
 

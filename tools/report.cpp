@@ -49,6 +49,10 @@ Json timing_json(const Timing& t) {
     j["from_last_start"] = clock ? Json(t.from_last_start_us) : Json();
     j["start_spread_rounds"] = t.start_spread_rounds;
     j["from_last_start_rounds"] = t.from_last_start_rounds;
+    if (t.host_call_us >= 0) {
+        j["host_call"] = t.host_call_us;
+        j["host_call_rounds"] = t.host_call_rounds;
+    }
     return j;
 }
 
@@ -196,6 +200,10 @@ std::string format_report(const std::vector<BenchReport>& reports) {
         if (!spread.empty())
             os << "T=" << r.scenario.tokens << " isolated, medians: ranks' start spread " << spread
                << " us; from the last rank's start to the last end " << rest << " us\n";
+        if (r.dispatch.isolated.host_call_us >= 0 && r.combine.isolated.host_call_us >= 0)
+            os << "T=" << r.scenario.tokens << " isolated, the slowest rank's host time of a call (median): dispatch "
+               << us(r.dispatch.isolated.host_call_us) << ", combine " << us(r.combine.isolated.host_call_us)
+               << " us\n";
     }
     os << "\n";
 

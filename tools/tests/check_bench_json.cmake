@@ -90,6 +90,18 @@ macro(check_start_spread rounds)
   endforeach()
 endmacro()
 
+# Every timed isolated round has the slowest rank's host time of its call, a positive number.
+macro(check_host_call rounds)
+  foreach(phase dispatch combine)
+    string(JSON n LENGTH "${R}" phases ${phase} latency_us host_call_rounds)
+    expect_eq("${phase} host call rounds" ${n} ${rounds})
+    string(JSON v GET "${R}" phases ${phase} latency_us host_call)
+    if(NOT v GREATER 0)
+      message(FATAL_ERROR "${CURRENT_CASE}: ${phase}: host time of a call ${v} is not positive")
+    endif()
+  endforeach()
+endmacro()
+
 # One rank: no spread, and from its start to its end is its latency.
 macro(check_one_rank_spread)
   foreach(phase dispatch combine)
@@ -125,6 +137,7 @@ run_case(all_ranks 0 --ranks 3 --tokens 5 --hidden 64 --experts 6 --topk 6 --pay
 message_bytes(msg 64 2 0 6)
 check_traffic(64 ${msg} 30 15 90 3)
 check_start_spread(3)
+check_host_call(3)
 check_verified(ON 1 3)
 # back to back: 3 timed rounds too
 string(JSON n LENGTH "${R}" phases dispatch back_to_back_us rounds)
