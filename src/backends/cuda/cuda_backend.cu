@@ -313,6 +313,7 @@ class CudaBackend final : public BackendBuffer {
     }
 
     void dispatch(const DispatchRequest& req, HandleState& handle, DispatchResult& result) override {
+        stages_.host_point("entry");
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
         watch_->raise_faults();
         const DispatchArgs& a = *req.args;
@@ -330,6 +331,7 @@ class CudaBackend final : public BackendBuffer {
                             "dispatch: host_sync=true cannot be captured in a CUDA graph (it reads the row count on "
                             "the host); pass host_sync=false (graph mode) while capturing");
         if (!a.host_sync) grow_ring_for_graph_mode(stream, capturing);
+        stages_.host_point("checks");
 
         cuda::DispatchParams p{};
         fill_common(p, t_count);
@@ -355,6 +357,7 @@ class CudaBackend final : public BackendBuffer {
                         "dispatch: a test's dispatch forger plays a sender of the staged protocol; build the buffer "
                         "with ELASTICEP_KERNEL_VARIANT=staged");
         const cuda::DispatchTargets out = outputs_->dispatch_targets(a, req.rows_cap, capturing, stream);
+        stages_.host_point("output targets");
         p.recv_x = out.recv_x;
         p.recv_weights = out.recv_weights;
         p.recv_src = out.recv_src;
@@ -444,12 +447,14 @@ class CudaBackend final : public BackendBuffer {
             result.masked_m = result.counts;
         }
         finish(stream, a.stream == nullptr, capturing);
+        stages_.host_point("result");
         stages_.end();
         handle.num_sms = launch_.num_sms;
         handle.backend_data = nullptr;
     }
 
     TensorRef combine(HandleState& handle, const CombineArgs& args) override {
+        stages_.host_point("entry");
         ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
         watch_->raise_faults();
         cudaStream_t stream = args.stream ? static_cast<cudaStream_t>(args.stream) : own_stream_;
@@ -467,6 +472,7 @@ class CudaBackend final : public BackendBuffer {
                                 "multiple of 8)");
         }
         const TensorRef out = outputs_->combine_out(args, t_count);
+        stages_.host_point("output");
         p.out = static_cast<uint16_t*>(out.data);
         p.out_row_stride = t_count > 1 ? out.stride(0) : cfg_.hidden;
         ELASTICEP_CHECK_ARG(
@@ -490,6 +496,7 @@ class CudaBackend final : public BackendBuffer {
             stages_.mark("reduce");
         }
         finish(stream, args.stream == nullptr, capturing);
+        stages_.host_point("result");
         stages_.end();
         if (args.stream == nullptr) watch_->raise_faults();
         return out;
@@ -563,6 +570,7 @@ class CudaBackend final : public BackendBuffer {
         auto step = [&](int32_t which, int blocks, const char* name) {
             p.step = which;
             launch(blocks, which == kernels::kStepMoveFinish && direct_pdl_);
+            stages_.host_point(name);
             stages_.mark(name);
         };
         if (launch_.host_waits && !capturing) {

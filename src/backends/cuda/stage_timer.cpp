@@ -13,6 +13,7 @@ namespace elasticep::detail::cuda {
 StageTimer::StageTimer(int rank) : rank_(rank) {
     const char* v = std::getenv("ELASTICEP_STAGE_TIMES");
     on_ = v && std::string(v) == "1";
+    host_on_ = on_ || (v && std::string(v) == "host");
 }
 
 namespace {
@@ -55,7 +56,7 @@ uint64_t* StageTimer::points() {
 StageTimer::~StageTimer() {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     if (points_) cudaFree(points_);
-    if (!on_) return;
+    if (!on_ && !host_on_) return;
     for (Stage& s : stages_) {
         if (s.us.empty()) continue;
         std::vector<float> v = s.us;
@@ -67,9 +68,10 @@ StageTimer::~StageTimer() {
 }
 
 void StageTimer::begin(const char* phase, cudaStream_t stream, bool capturing) {
+    phase_ = phase;
+    host_skip_ = capturing;
     active_ = on_ && !capturing;
     if (!active_) return;
-    phase_ = phase;
     stream_ = stream;
     names_.clear();
     if (events_.empty()) {
@@ -93,6 +95,11 @@ void StageTimer::mark(const char* stage) {
 }
 
 void StageTimer::end() {
+    for (size_t i = 1; !host_skip_ && i < host_points_.size(); ++i)
+        stage(phase_ + " [host] to " + host_points_[i].first)
+            .us.push_back(
+                std::chrono::duration<float, std::micro>(host_points_[i].second - host_points_[i - 1].second).count());
+    host_points_.clear();
     if (!active_) return;
     active_ = false;
     if (names_.empty()) return;

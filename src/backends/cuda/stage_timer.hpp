@@ -8,10 +8,14 @@
 // The direct path's kernels also stamp points of each call on the device clock (DevicePoint,
 // src/kernels/common/buffer_layout.hpp) into points(); the timer adds the time between every two
 // consecutive points that both ran as a stage named "<phase> [device] <interval>".
+// Host points (host_point): the host's clock at named steps of a call, reported as "<phase> [host] to
+// <point>" (the time since the previous point). ELASTICEP_STAGE_TIMES=host records the host points
+// alone (no events, no device points: the call's host time undisturbed by the timer's own calls).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -26,6 +30,11 @@ class StageTimer {
     StageTimer& operator=(const StageTimer&) = delete;
 
     bool on() const { return on_; }
+    // The host's clock at step `name` of the call about to begin or running (ELASTICEP_STAGE_TIMES=1
+    // or host); the first point of a call is its entry.
+    void host_point(const char* name) {
+        if (host_on_) host_points_.emplace_back(name, std::chrono::steady_clock::now());
+    }
     // Device memory for a call's DevicePoint stamps (zeroed after every call), or nullptr when off.
     // Call with the buffer's device current.
     uint64_t* points();
@@ -44,7 +53,10 @@ class StageTimer {
     Stage& stage(const std::string& name);
 
     bool on_ = false;
+    bool host_on_ = false;
+    bool host_skip_ = false;  // a captured call: its host points are dropped
     bool active_ = false;
+    std::vector<std::pair<const char*, std::chrono::steady_clock::time_point>> host_points_;
     int rank_ = 0;
     std::string phase_;
     cudaStream_t stream_ = nullptr;
