@@ -101,4 +101,23 @@ __device__ __forceinline__ void record_peer_fault(const Workspace& ws, HostRecor
     __threadfence_system();
 }
 
+// A dispatch's summary for the host (one thread): M, the first bad sender (-1: none) and its route
+// status `bad`, the rounds; then a system fence, before the host reads it after the call.
+__device__ __forceinline__ void write_host_summary(HostRecord* rec, int64_t num_rows, int bad_sender, int rounds,
+                                                   const RouteStatus& bad) {
+    volatile HostRecord* r = rec;
+    r->num_rows = num_rows;
+    r->bad_sender = bad_sender;
+    r->num_rounds = rounds;
+    if (bad_sender >= 0) {
+        r->bad.kind = bad.kind;
+        r->bad.token = bad.token;
+        r->bad.k = bad.k;
+        r->bad.dup_of = bad.dup_of;
+        r->bad.value = bad.value;
+        r->bad.sticky = bad.sticky;
+    }
+    __threadfence_system();
+}
+
 }  // namespace elasticep::kernels

@@ -629,20 +629,8 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                     p.ws.state->rejected = rejected ? 1 : 0;
                     p.ws.state->num_rows = m_rows;
                     p.ws.state->num_rounds = 1;
-                    volatile HostRecord* r = p.record;
-                    r->num_rows = m_rows;
-                    r->bad_sender = rejected ? bad_sender : -1;
-                    r->num_rounds = 1;
-                    if (rejected) {
-                        const RouteStatus b = desc[bad_sender].status;
-                        r->bad.kind = b.kind;
-                        r->bad.token = b.token;
-                        r->bad.k = b.k;
-                        r->bad.dup_of = b.dup_of;
-                        r->bad.value = b.value;
-                        r->bad.sticky = b.sticky;
-                    }
-                    __threadfence_system();
+                    write_host_summary(p.record, m_rows, rejected ? bad_sender : -1, 1,
+                                       rejected ? desc[bad_sender].status : RouteStatus{});
                 }
             }
             if (step == kStepMoveFinish) finisher = last;

@@ -550,20 +550,8 @@ __global__ void __launch_bounds__(kExchangeThreads) exchange_kernel(DispatchPara
         // the host reads the summary after a host-sync call only (graph mode publishes no route
         // status, so no sender is bad there): no mapped-memory writes and system fence otherwise
         if (!p.host_sync) return;
-        volatile HostRecord* r = p.record;
-        r->num_rows = at;
-        r->bad_sender = bad_sender;
-        r->num_rounds = rounds;
-        if (bad_sender >= 0) {
-            const RouteStatus b = flag_of(bad_sender)->status;
-            r->bad.kind = b.kind;
-            r->bad.token = b.token;
-            r->bad.k = b.k;
-            r->bad.dup_of = b.dup_of;
-            r->bad.value = b.value;
-            r->bad.sticky = b.sticky;
-        }
-        __threadfence_system();
+        write_host_summary(p.record, at, bad_sender, rounds,
+                           bad_sender >= 0 ? flag_of(bad_sender)->status : RouteStatus{});
     }
 }
 
