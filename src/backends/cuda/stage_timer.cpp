@@ -13,6 +13,7 @@ namespace elasticep::detail::cuda {
 StageTimer::StageTimer(int rank) : rank_(rank) {
     const char* v = std::getenv("ELASTICEP_STAGE_TIMES");
     on_ = v && std::string(v) == "1";
+    points_on_ = on_ || (v && std::string(v) == "points");
     host_on_ = on_ || (v && std::string(v) == "host");
 }
 
@@ -24,9 +25,11 @@ struct Interval {
     const char* name;
 };
 constexpr Interval kDispatchIntervals[] = {
-    {kernels::kPtDispatchEntry, kernels::kPtPlanned, "[device] plan (entry to last block)"},
+    {kernels::kPtDispatchEntry, kernels::kPtPlanned, "[device] plan (entry to the publisher)"},
     {kernels::kPtPlanned, kernels::kPtPublished, "[device] publish"},
     {kernels::kPtPublished, kernels::kPtPlansSeen, "[device] wait for plans"},
+    {kernels::kPtPlansSeen, kernels::kPtTablesMade, "[device] tables (the waiting block)"},
+    {kernels::kPtPlansSeen, kernels::kPtMoveResident, "[device] second launch resident"},
     {kernels::kPtPlansSeen, kernels::kPtMoveEntry, "[device] second launch's start"},
     {kernels::kPtMoveEntry, kernels::kPtTablesRead, "[device] tables (block 0)"},
     {kernels::kPtTablesRead, kernels::kPtMoved, "[device] move (to last block)"},
@@ -35,6 +38,7 @@ constexpr Interval kDispatchIntervals[] = {
 };
 constexpr Interval kCombineIntervals[] = {
     {kernels::kPtCombineEntry, kernels::kPtReadySeen, "[device] publish, wait for ready"},
+    {kernels::kPtReadySeen, kernels::kPtReduceResident, "[device] second launch resident"},
     {kernels::kPtReadySeen, kernels::kPtReduceEntry, "[device] second launch's start"},
     {kernels::kPtReduceEntry, kernels::kPtReduceReady, "[device] meet, y pointers (block 0)"},
     {kernels::kPtReduceReady, kernels::kPtReduced, "[device] reduce (to last block)"},
@@ -45,7 +49,7 @@ constexpr Interval kCombineIntervals[] = {
 }  // namespace
 
 uint64_t* StageTimer::points() {
-    if (!on_) return nullptr;
+    if (!points_on_) return nullptr;
     if (points_ == nullptr) {
         ELASTICEP_CUDA_CALL(cudaMalloc(&points_, kernels::kNumDevicePoints * sizeof(uint64_t)));
         ELASTICEP_CUDA_CALL(cudaMemset(points_, 0, kernels::kNumDevicePoints * sizeof(uint64_t)));
@@ -56,7 +60,7 @@ uint64_t* StageTimer::points() {
 StageTimer::~StageTimer() {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
     if (points_) cudaFree(points_);
-    if (!on_ && !host_on_) return;
+    if (!points_on_ && !host_on_) return;
     for (Stage& s : stages_) {
         if (s.us.empty()) continue;
         std::vector<float> v = s.us;
@@ -70,10 +74,11 @@ StageTimer::~StageTimer() {
 void StageTimer::begin(const char* phase, cudaStream_t stream, bool capturing) {
     phase_ = phase;
     host_skip_ = capturing;
-    active_ = on_ && !capturing;
+    active_ = points_on_ && !capturing;
     if (!active_) return;
     stream_ = stream;
     names_.clear();
+    if (!on_) return;  // points alone
     if (events_.empty()) {
         cudaEvent_t e = nullptr;
         ELASTICEP_CUDA_CALL(cudaEventCreate(&e));
@@ -83,7 +88,7 @@ void StageTimer::begin(const char* phase, cudaStream_t stream, bool capturing) {
 }
 
 void StageTimer::mark(const char* stage) {
-    if (!active_) return;
+    if (!active_ || !on_) return;
     const size_t i = names_.size() + 1;
     if (i >= events_.size()) {
         cudaEvent_t e = nullptr;
@@ -102,16 +107,18 @@ void StageTimer::end() {
     host_points_.clear();
     if (!active_) return;
     active_ = false;
-    if (names_.empty()) return;
-    ELASTICEP_CUDA_CALL(cudaEventSynchronize(events_[names_.size()]));
-    float total = 0.0f;
-    for (size_t i = 0; i < names_.size(); ++i) {
-        float ms = 0.0f;
-        ELASTICEP_CUDA_CALL(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
-        stage(phase_ + " " + names_[i]).us.push_back(1000.0f * ms);
-        total += 1000.0f * ms;
+    if (on_) {
+        if (names_.empty()) return;
+        ELASTICEP_CUDA_CALL(cudaEventSynchronize(events_[names_.size()]));
+        float total = 0.0f;
+        for (size_t i = 0; i < names_.size(); ++i) {
+            float ms = 0.0f;
+            ELASTICEP_CUDA_CALL(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+            stage(phase_ + " " + names_[i]).us.push_back(1000.0f * ms);
+            total += 1000.0f * ms;
+        }
+        stage(phase_ + " total").us.push_back(total);
     }
-    stage(phase_ + " total").us.push_back(total);
     if (points_ == nullptr) return;
     uint64_t at[kernels::kNumDevicePoints] = {};
     ELASTICEP_CUDA_CALL(cudaMemcpyAsync(at, points_, sizeof at, cudaMemcpyDeviceToHost, stream_));

@@ -11,6 +11,9 @@
 // Host points (host_point): the host's clock at named steps of a call, reported as "<phase> [host] to
 // <point>" (the time since the previous point). ELASTICEP_STAGE_TIMES=host records the host points
 // alone (no events, no device points: the call's host time undisturbed by the timer's own calls).
+// ELASTICEP_STAGE_TIMES=points records the device points alone: no event between a call's kernels
+// (an event there breaks the programmatic launch of the direct path's second kernel and adds work
+// between them), one stream synchronisation at the end of the call to read them.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,7 +55,8 @@ class StageTimer {
     };
     Stage& stage(const std::string& name);
 
-    bool on_ = false;
+    bool on_ = false;         // events after every kernel, and device points
+    bool points_on_ = false;  // device points (on_ or ELASTICEP_STAGE_TIMES=points)
     bool host_on_ = false;
     bool host_skip_ = false;  // a captured call: its host points are dropped
     bool active_ = false;

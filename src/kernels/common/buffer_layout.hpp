@@ -210,7 +210,7 @@ struct CallState {
 // named when Workspace::points is set (ELASTICEP_STAGE_TIMES=1; cuda::StageTimer reads and names them).
 enum DevicePoint : int {
     kPtDispatchEntry = 0,  // publish-and-meet launch, block 0 starts
-    kPtPlanned,            // its last block has seen every block's plan
+    kPtPlanned,            // its publisher (block 0; kStepAll: the last block) has planned
     kPtPublished,          // ... and signalled every peer's plan flag
     kPtPlansSeen,          // ... and seen every sender's
     kPtMoveEntry,          // move-and-finish launch, block 0 starts
@@ -223,6 +223,9 @@ enum DevicePoint : int {
     kPtReduceReady,        // block 0 has met the ready flags and read every holder's y pointer
     kPtReduced,            // the last block to finish reducing arrives
     kPtDoneSeen,           // ... and has seen every origin's done flag
+    kPtMoveResident,       // move-and-finish launch, block 0 resident (before it waits for the first launch)
+    kPtReduceResident,     // combine move-and-finish launch, block 0 resident (likewise)
+    kPtTablesMade,         // the dispatch's waiting block has read every sender's counts and outputs
     kNumDevicePoints
 };
 
@@ -255,6 +258,10 @@ struct Workspace {
     float* route_w;              // direct [C][K] the weight of each of this rank's routes
     unsigned* arrive;            // direct [4] blocks of a grid that finished a stage (the last resets it)
     unsigned long long* bad_at;  // direct [1] the call's first invalid route found by a fused plan
+    int32_t* direct_tables;      // direct [3E + R + 3] a dispatch's tables, from its first launch's waiting
+                                 // block for its second: base [E], seg [E], total [E], m_of [R], then
+                                 // the dropped senders' mask (two words) and the first bad sender
+    DirectOutputs* direct_desc;  // direct [R] every receiver's published outputs, likewise
     int64_t bytes;               // the whole workspace
     uint64_t* points = nullptr;  // [kNumDevicePoints] or nullptr (not carved: the stage timer's memory)
 
@@ -289,6 +296,8 @@ struct Workspace {
         w.route_w = c.take<float>(own);
         w.arrive = c.take<unsigned>(4);
         w.bad_at = c.take<unsigned long long>(1);
+        w.direct_tables = c.take<int32_t>(s.direct ? 3 * int64_t{s.num_experts} + s.num_ranks + 3 : 0);
+        w.direct_desc = c.take<DirectOutputs>(s.direct ? s.num_ranks : 0);
         w.bytes = c.used;
         return w;
     }

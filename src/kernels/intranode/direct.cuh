@@ -7,12 +7,12 @@
 //
 // direct_dispatch_kernel  grid = SM share x occupancy, block kThreads, dynamic shared memory
 //     direct_dispatch_smem_bytes. Device waits: two launches, kStepPublishMeet (plan and publish; the
-//     block that publishes then waits for every plan flag) and kStepMoveFinish (tables and move; the
-//     last block to finish then waits for every sent flag). Only one block of a rank waits for peers
-//     at a time, while the rest of its grid has exited, as in the staged path's one-block kernels: a
-//     grid whose blocks all waited for the peers' grids would need every rank's grid resident at
-//     once, which other kernels on the GPU (a rank's GEMM, a graph replay) can prevent; that deadlocked
-//     a test (docs/PERFORMANCE.md, "Two paths"). With host waits the host launches kStepPublish,
+//     block that publishes then waits for every plan flag and reads the tables) and kStepMoveFinish
+//     (move; the last block to finish then waits for every sent flag). Only one block of a rank waits
+//     for peers at a time, the rest of its grid planning or exited, as in the staged path's one-block
+//     kernels: a grid whose blocks all waited for the peers' grids would need every rank's grid
+//     resident at once, which other kernels on the GPU (a rank's GEMM, a graph replay) can prevent;
+//     that deadlocked a test (docs/PERFORMANCE.md, "Two paths"). With host waits the host launches kStepPublish,
 //     waits for the plan flags, kStepMove, waits for the sent flags, kStepFinish (one block).
 //     kStepAll (one launch doing every step, every block waiting) is the measurement-only variant
 //     ELASTICEP_DIRECT_ONE_KERNEL=1, which needs the GPU to itself.
@@ -22,12 +22,16 @@
 //             running count plus a popcount; each block writes the positions of its share of the
 //             tokens (ws.pos_in_expert). No plan kernel. Block 0 alone reads the host-mapped sticky
 //             word (a PCIe round trip), at its entry.
-//   publish   the last block to finish its plan (ws.arrive) resolves the route status
-//             (decide_route_status) and writes, in this rank's own window, its per-expert route counts
-//             and its DirectOutputs (output pointers, scale strides, status); then signals every
-//             peer's plan flag (release, GPU scope): seeing its own flag tells every block of this
-//             rank that every position is written.
-//   tables    every block waits (bounded) for every sender's plan flag, reads every rank's counts
+//   publish   block 0, once its own plan is done (every block's plan counted every token; the
+//             positions are read only after the kernel boundary), or with kStepAll the last block to
+//             finish its plan (ws.arrive), resolves the route status (decide_route_status) and writes,
+//             in this rank's own window, its per-expert route counts and its DirectOutputs (output
+//             pointers, scale strides, status); then signals every peer's plan flag (release, GPU
+//             scope). With kStepAll, seeing its own flag tells every block of this rank that every
+//             position is written.
+//   tables    the publishing block (kStepPublishMeet; it leaves them in ws.direct_tables and
+//             direct_desc for kStepMoveFinish's blocks), or every block of kStepAll and kStepMove,
+//             waits (bounded) for every sender's plan flag, reads every rank's counts
 //             (checked on receipt: each in [0, C], per receiver at most C * min(K, E_local); a sender
 //             that fails is dropped everywhere alike and recorded as a peer fault) and statuses (any
 //             bad one rejects the call on every rank), and derives, for every receiver d and local
@@ -162,7 +166,10 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     const int lane = lane_id(), warp = warp_id();
     const int step = p.step;
     const bool contiguous = p.expert_alignment > 0;  // 0: the masked layout
-    if (step == kStepMoveFinish) wait_for_previous_grid();
+    if (step == kStepMoveFinish) {
+        if (blockIdx.x == 0) stamp(p.ws, kPtMoveResident);
+        wait_for_previous_grid();
+    }
     if (p.ws.state->timed_out != 0) return;
     if (blockIdx.x == 0) stamp(p.ws, entry_point(step, kPtDispatchEntry, kPtMoveEntry));
     // the host-mapped sticky word (a PCIe round trip): loaded here by block 0's thread 0 alone, which
@@ -196,6 +203,155 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     __shared__ uint32_t* dst_sc[kWarps][kMaxTopk];
     __shared__ int64_t dst_cs[kWarps][kMaxTopk];
 
+    // ---- tables: every sender's counts and status, into shared memory (base, seg, total, m_of, desc,
+    // dropped, bad_sender), every plan flag already seen: read by the dispatch's waiting block when a
+    // second launch follows (kStepPublishMeet, which leaves them in ws.direct_tables / direct_desc:
+    // store_tables, load_tables), else by every block of the move (kStepAll, kStepMove). Block 0
+    // records a peer fault. (Latency: the block's threads share the loads, so each step costs one
+    // round trip to L2, not one per peer or per expert in series.)
+    auto start_tables = [&] {
+        if (threadIdx.x == 0) {
+            dropped = 0;
+            bad_sender = nr;
+        }
+        for (int q = threadIdx.x; q < nr; q += blockDim.x) win[q] = team.window(q);
+        __syncthreads();
+    };
+    auto read_tables = [&] {
+        auto counts_of = [&](int q) {
+            return RegionLayout::at<const int32_t>(win[q], region.published_count_row(parity));
+        };
+        for (int i = threadIdx.x; i < nr * 16; i += blockDim.x) {  // every receiver's DirectOutputs
+            const int q = i / 16, w = i % 16;
+            const uint64_t* src = RegionLayout::at<const uint64_t>(win[q], region.published_outputs(parity));
+            reinterpret_cast<uint64_t*>(&desc[q])[w] = __ldcg(reinterpret_cast<const unsigned long long*>(src) + w);
+        }
+        const int64_t per_receiver = int64_t{cap} * (kk < el ? kk : el);
+        // a warp per kPairBatch (sender, receiver) pairs: its lanes read the local experts' counts side
+        // by side, the batch's loads in flight together (one round trip per batch, not one per pair)
+        constexpr int kPairBatch = 8;
+        for (int pair0 = warp * kPairBatch; pair0 < nr * nr; pair0 += kWarps * kPairBatch) {
+            int64_t sum[kPairBatch];
+            int32_t bad_c[kPairBatch];
+            bool each_ok[kPairBatch];
+#pragma unroll
+            for (int u = 0; u < kPairBatch; ++u) {
+                sum[u] = 0;
+                bad_c[u] = 0;
+                each_ok[u] = true;
+            }
+            for (int l0 = 0; l0 < el; l0 += kWarpSize) {
+                const int l = l0 + lane;
+                int32_t v[kPairBatch];
+#pragma unroll
+                for (int u = 0; u < kPairBatch; ++u) {
+                    const int pair = pair0 + u;
+                    v[u] = pair < nr * nr && l < el ? __ldcg(counts_of(pair / nr) + (pair % nr) * el + l) : 0;
+                }
+#pragma unroll
+                for (int u = 0; u < kPairBatch; ++u) {
+                    sum[u] += v[u];
+                    const unsigned bad = __ballot_sync(kFullMask, l < el && !(v[u] >= 0 && v[u] <= cap));
+                    if (bad != 0 && each_ok[u]) {  // the first failing count, as a serial scan finds it
+                        bad_c[u] = __shfl_sync(kFullMask, v[u], __ffs(bad) - 1);
+                        each_ok[u] = false;
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kPairBatch; ++u) {
+                const int pair = pair0 + u;
+                int64_t total_c = sum[u];
+#pragma unroll
+                for (int o = kWarpSize / 2; o > 0; o >>= 1) total_c += __shfl_xor_sync(kFullMask, total_c, o);
+                if (lane == 0 && pair < nr * nr && (!each_ok[u] || total_c > per_receiver)) {
+                    const int s = pair / nr;
+                    atomicOr(&dropped, 1ull << s);
+                    if (blockIdx.x == 0)
+                        record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch,
+                                          each_ok[u] ? total_c : bad_c[u], each_ok[u] ? per_receiver : cap);
+                }
+            }
+        }
+        __syncthreads();  // desc complete
+        for (int q = threadIdx.x; q < nr; q += blockDim.x)
+            if (reinterpret_cast<volatile int32_t*>(&desc[q].status.kind)[0] != detail::kRouteOk)
+                atomicMin(&bad_sender, q);
+        __syncthreads();
+        const bool rejected = bad_sender < nr;
+        for (int e = threadIdx.x; e < ne; e += blockDim.x) {
+            int32_t tot = 0, before = 0;
+            for (int s0 = 0; s0 < nr; s0 += 8) {  // 8 loads in flight
+                int32_t v[8];
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    const int s = s0 + u;
+                    v[u] = s < nr && !((dropped >> s) & 1ull) ? __ldcg(counts_of(s) + e) : 0;
+                }
+#pragma unroll
+                for (int u = 0; u < 8; ++u) {
+                    before += s0 + u < rank ? v[u] : 0;
+                    tot += v[u];
+                }
+            }
+            total[e] = rejected ? 0 : tot;
+            base[e] = rejected ? 0 : before;
+        }
+        __syncthreads();
+        // segment starts: a warp per receiver scans its local experts' aligned totals, 32 at a time
+        for (int d = warp; d < nr; d += kWarps) {
+            int64_t at = 0;
+            for (int l0 = 0; l0 < el; l0 += kWarpSize) {
+                const int l = l0 + lane, e = d * el + l;
+                const int32_t v = contiguous && l < el ? round_up(total[e], p.expert_alignment) : 0;
+                int32_t x = v;  // inclusive scan of v over the warp
+#pragma unroll
+                for (int o = 1; o < kWarpSize; o <<= 1) {
+                    const int32_t y = __shfl_up_sync(kFullMask, x, o);
+                    if (lane >= o) x += y;
+                }
+                if (l < el) seg[e] = contiguous ? static_cast<int32_t>(at + x - v) : static_cast<int32_t>(l * rc);
+                at += __shfl_sync(kFullMask, x, kWarpSize - 1);
+            }
+            if (lane == 0) m_of[d] = static_cast<int32_t>(contiguous ? at : int64_t{el} * rc);
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < ne; e += blockDim.x) base[e] += seg[e];
+        __syncthreads();
+    };
+    int32_t* const tables = p.ws.direct_tables;  // base [E], seg [E], total [E], m_of [R], dropped, bad_sender
+    auto store_tables = [&] {
+        for (int i = threadIdx.x; i < ne; i += blockDim.x) {
+            tables[i] = base[i];
+            tables[ne + i] = seg[i];
+            tables[2 * ne + i] = total[i];
+        }
+        for (int d = threadIdx.x; d < nr; d += blockDim.x) tables[3 * ne + d] = m_of[d];
+        if (threadIdx.x == 0) {
+            tables[3 * ne + nr] = static_cast<int32_t>(dropped & 0xffffffffull);
+            tables[3 * ne + nr + 1] = static_cast<int32_t>(dropped >> 32);
+            tables[3 * ne + nr + 2] = bad_sender;
+        }
+        for (int i = threadIdx.x; i < nr * 16; i += blockDim.x)
+            reinterpret_cast<uint64_t*>(p.ws.direct_desc)[i] = reinterpret_cast<const uint64_t*>(desc)[i];
+    };
+    auto load_tables = [&] {  // the second launch, after the kernel boundary
+        for (int i = threadIdx.x; i < ne; i += blockDim.x) {
+            base[i] = tables[i];
+            seg[i] = tables[ne + i];
+            total[i] = tables[2 * ne + i];
+        }
+        for (int d = threadIdx.x; d < nr; d += blockDim.x) m_of[d] = tables[3 * ne + d];
+        if (threadIdx.x == 0) {
+            dropped = static_cast<uint32_t>(tables[3 * ne + nr]) |
+                      (static_cast<unsigned long long>(static_cast<uint32_t>(tables[3 * ne + nr + 1])) << 32);
+            bad_sender = tables[3 * ne + nr + 2];
+        }
+        for (int i = threadIdx.x; i < nr * 16; i += blockDim.x)
+            reinterpret_cast<uint64_t*>(desc)[i] = reinterpret_cast<const uint64_t*>(p.ws.direct_desc)[i];
+        __syncthreads();
+    };
+
     if (step != kStepFinish) {
         // the plan and publish run in the first launch only (the second, kStepMove or kStepMoveFinish,
         // reads what the first wrote: ws.pos_in_expert and the published counts)
@@ -211,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                     uint32_t keep = 0;
                     unsigned long long bad = detail::kNoRouteKey;
                     for (int k0 = 0; k0 < kk; k0 += 8) {
-                        int64_t ids[8];  // 8 loads in flight; the repeat checks below then hit L1
+                        int64_t ids[8];  // 8 loads in flight; repeats within them checked in registers
 #pragma unroll
                         for (int u = 0; u < 8; ++u) ids[u] = k0 + u < kk ? topk_at<kIdx64>(p, t, k0 + u) : -1;
 #pragma unroll
@@ -220,7 +376,9 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                             const int64_t v = ids[u];
                             if (k >= kk || v == -1) continue;
                             bool fine = v >= 0 && v < ne;
-                            for (int j = 0; fine && j < k; ++j) fine = topk_at<kIdx64>(p, t, j) != v;
+                            for (int j = 0; fine && j < k0; ++j) fine = topk_at<kIdx64>(p, t, j) != v;  // (K > 8)
+#pragma unroll
+                            for (int j = 0; j < u; ++j) fine = fine && ids[j] != v;
                             if (!fine) {  // out of range, or a repeat of an earlier column (dropped)
                                 if (bad == detail::kNoRouteKey) bad = detail::route_key(t, k);
                                 continue;
@@ -251,9 +409,14 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 }
                 __syncthreads();
             }
+            // ---- publish ----
+            // Every block's plan read every token, so each holds the rank's counts and first invalid
+            // route. When a kernel boundary follows (kStepPublish, kStepPublishMeet), block 0
+            // publishes as soon as its own plan is done: the peers read only what it writes, and this
+            // rank's positions are read after the boundary. kStepAll moves in the same grid, so the
+            // last block to finish its plan publishes (every block's positions written).
             if (blockIdx.x == 0 && threadIdx.x == 0) p.ws.state->sticky_seen = sticky_kind;
-            // ---- publish (the last block to finish its plan) ----
-            if (last_block_arrives(&p.ws.arrive[2])) {
+            if (step == kStepAll ? last_block_arrives(&p.ws.arrive[2]) : blockIdx.x == 0) {
                 stamp(p.ws, kPtPlanned);
                 uint8_t* mine = team.self();
                 int32_t* counts_out = RegionLayout::at<int32_t>(mine, region.published_count_row(parity));
@@ -282,122 +445,40 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 __syncthreads();
                 for (int q = threadIdx.x; q < nr; q += blockDim.x) team.signal_gpu(q, region.plan_flag(rank), epoch);
                 stamp(p.ws, kPtPublished);
-                // the rest of the grid has exited: this one block waits for every sender's plan
+                // this one block waits for every sender's plan
+                // (the plan's other blocks need not have exited: none of them waits on a peer), then reads
+                // the tables for the second launch, which it lets be scheduled first (its blocks wait for
+                // this grid's completion, and this block waits on no peer any more)
                 if (step == kStepPublishMeet) {
-                    block_meet(
+                    start_tables();
+                    const bool met = block_meet(
                         team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record,
                         p.ws);
                     stamp(p.ws, kPtPlansSeen);
                     allow_next_grid();
+                    if (met) {
+                        read_tables();
+                        store_tables();
+                        stamp(p.ws, kPtTablesMade);
+                    }
                 }
             }
             if (step == kStepPublish || step == kStepPublishMeet) return;
         }
 
-        // ---- tables: every sender's counts and status ----
-        // (latency: the block's threads share the loads, so each step costs one round trip to L2,
-        // not one per peer or per expert in series)
-        if (threadIdx.x == 0) {
-            dropped = 0;
-            bad_sender = nr;
+        // ---- tables (read_tables): left by the first launch's waiting block when this is the second
+        // launch; otherwise this block waits for every plan flag and reads them ----
+        bool ok = true;
+        if (step == kStepMoveFinish) {
+            load_tables();
+        } else {
+            start_tables();
+            ok = block_meet(
+                team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record, p.ws);
+            if (ok) read_tables();
         }
-        for (int q = threadIdx.x; q < nr; q += blockDim.x) win[q] = team.window(q);
-        // (block_meet's barriers also publish win, dropped and bad_sender to the block)
-        const bool ok = block_meet(
-            team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record, p.ws);
         if (ok) {
-            auto counts_of = [&](int q) {
-                return RegionLayout::at<const int32_t>(win[q], region.published_count_row(parity));
-            };
-            for (int i = threadIdx.x; i < nr * 16; i += blockDim.x) {  // every receiver's DirectOutputs
-                const int q = i / 16, w = i % 16;
-                const uint64_t* src = RegionLayout::at<const uint64_t>(win[q], region.published_outputs(parity));
-                reinterpret_cast<uint64_t*>(&desc[q])[w] = __ldcg(reinterpret_cast<const unsigned long long*>(src) + w);
-            }
-            const int64_t per_receiver = int64_t{cap} * (kk < el ? kk : el);
-            // a warp per kPairBatch (sender, receiver) pairs: its lanes read the local experts' counts side
-            // by side, the batch's loads in flight together (one round trip per batch, not one per pair)
-            constexpr int kPairBatch = 8;
-            for (int pair0 = warp * kPairBatch; pair0 < nr * nr; pair0 += kWarps * kPairBatch) {
-                int64_t sum[kPairBatch];
-                int32_t bad_c[kPairBatch];
-                bool each_ok[kPairBatch];
-#pragma unroll
-                for (int u = 0; u < kPairBatch; ++u) {
-                    sum[u] = 0;
-                    bad_c[u] = 0;
-                    each_ok[u] = true;
-                }
-                for (int l0 = 0; l0 < el; l0 += kWarpSize) {
-                    const int l = l0 + lane;
-                    int32_t v[kPairBatch];
-#pragma unroll
-                    for (int u = 0; u < kPairBatch; ++u) {
-                        const int pair = pair0 + u;
-                        v[u] = pair < nr * nr && l < el ? __ldcg(counts_of(pair / nr) + (pair % nr) * el + l) : 0;
-                    }
-#pragma unroll
-                    for (int u = 0; u < kPairBatch; ++u) {
-                        sum[u] += v[u];
-                        const unsigned bad = __ballot_sync(kFullMask, l < el && !(v[u] >= 0 && v[u] <= cap));
-                        if (bad != 0 && each_ok[u]) {  // the first failing count, as a serial scan finds it
-                            bad_c[u] = __shfl_sync(kFullMask, v[u], __ffs(bad) - 1);
-                            each_ok[u] = false;
-                        }
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < kPairBatch; ++u) {
-                    const int pair = pair0 + u;
-                    int64_t total_c = sum[u];
-#pragma unroll
-                    for (int o = kWarpSize / 2; o > 0; o >>= 1) total_c += __shfl_xor_sync(kFullMask, total_c, o);
-                    if (lane == 0 && pair < nr * nr && (!each_ok[u] || total_c > per_receiver)) {
-                        const int s = pair / nr;
-                        atomicOr(&dropped, 1ull << s);
-                        if (blockIdx.x == 0)
-                            record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch,
-                                              each_ok[u] ? total_c : bad_c[u], each_ok[u] ? per_receiver : cap);
-                    }
-                }
-            }
-            __syncthreads();  // desc complete
-            for (int q = threadIdx.x; q < nr; q += blockDim.x)
-                if (reinterpret_cast<volatile int32_t*>(&desc[q].status.kind)[0] != detail::kRouteOk)
-                    atomicMin(&bad_sender, q);
-            __syncthreads();
             const bool rejected = bad_sender < nr;
-            for (int e = threadIdx.x; e < ne; e += blockDim.x) {
-                int32_t tot = 0, before = 0;
-                for (int s0 = 0; s0 < nr; s0 += 8) {  // 8 loads in flight
-                    int32_t v[8];
-#pragma unroll
-                    for (int u = 0; u < 8; ++u) {
-                        const int s = s0 + u;
-                        v[u] = s < nr && !((dropped >> s) & 1ull) ? __ldcg(counts_of(s) + e) : 0;
-                    }
-#pragma unroll
-                    for (int u = 0; u < 8; ++u) {
-                        before += s0 + u < rank ? v[u] : 0;
-                        tot += v[u];
-                    }
-                }
-                total[e] = rejected ? 0 : tot;
-                base[e] = rejected ? 0 : before;
-            }
-            __syncthreads();
-            for (int d = threadIdx.x; d < nr; d += blockDim.x) {
-                int64_t at = 0;
-                for (int l = 0; l < el; ++l) {
-                    const int e = d * el + l;
-                    seg[e] = contiguous ? static_cast<int32_t>(at) : static_cast<int32_t>(l * rc);
-                    at += contiguous ? round_up(total[e], p.expert_alignment) : 0;
-                }
-                m_of[d] = static_cast<int32_t>(contiguous ? at : int64_t{el} * rc);
-            }
-            __syncthreads();
-            for (int e = threadIdx.x; e < ne; e += blockDim.x) base[e] += seg[e];
-            __syncthreads();
             if (blockIdx.x == 0) stamp(p.ws, kPtTablesRead);
 
             // ---- move: this rank's rows into their receivers' outputs ----
@@ -659,7 +740,10 @@ __global__ void __launch_bounds__(kThreads, 2) direct_combine_kernel(CombinePara
     const int rank = team.rank(), nr = sh.num_ranks, kk = sh.num_topk;
     const int lane = lane_id(), warp = warp_id();
     const int step = p.step;
-    if (step == kStepMoveFinish) wait_for_previous_grid();
+    if (step == kStepMoveFinish) {
+        if (blockIdx.x == 0) stamp(p.ws, kPtReduceResident);
+        wait_for_previous_grid();
+    }
     if (p.ws.state->timed_out != 0) return;
     if (blockIdx.x == 0) stamp(p.ws, entry_point(step, kPtCombineEntry, kPtReduceEntry));
     const uint64_t epoch = *p.ws.epoch;
