@@ -94,8 +94,8 @@ __host__ __device__ inline int plan_chunk_tokens(int num_experts, int num_tokens
     const int rounded = (num_tokens + 31) / 32;
     return 32 * (rounded < per ? (rounded > 0 ? rounded : 1) : per);
 }
-// dynamic shared memory of direct_dispatch_kernel: base, seg, total, running [E], m_of [R], the
-// chunk's kept-route masks [chunk] and its bitmap [E][chunk / 32]
+// dynamic shared memory of direct_dispatch_kernel: base, seg, total [E], m_of [R] (the tables, one
+// run of words), running [E], the chunk's kept-route masks [chunk] and its bitmap [E][chunk / 32]
 __host__ __device__ inline int direct_dispatch_smem_bytes(int num_experts, int num_ranks, int num_tokens) {
     const int chunk = plan_chunk_tokens(num_experts, num_tokens);
     return (4 * num_experts + num_ranks + chunk + num_experts * (chunk / 32)) * 4;
@@ -173,8 +173,8 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     if (p.ws.state->timed_out != 0) return;
     if (blockIdx.x == 0) stamp(p.ws, entry_point(step, kPtDispatchEntry, kPtMoveEntry));
     // the host-mapped sticky word (a PCIe round trip): loaded here by block 0's thread 0 alone, which
-    // stores it in ws.state->sticky_seen before its plan's arrival; the block that publishes reads it
-    // there (the arrival orders the two)
+    // publishes (kStepPublish, kStepPublishMeet) or, with kStepAll, stores it in ws.state->sticky_seen
+    // before its plan's arrival for the last block, which publishes (the arrival orders the two)
     const bool first_launch = step == kStepAll || step == kStepPublish || step == kStepPublishMeet;
     const int32_t sticky_kind = first_launch && blockIdx.x == 0 && threadIdx.x == 0
                                     ? reinterpret_cast<volatile int32_t*>(&p.record->sticky.kind)[0]
@@ -187,12 +187,12 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     int32_t* base = dyn;       // [E] this rank's first row at (d, l) (e = d * E_local + l)
     int32_t* seg = base + ne;  // [E] start of (d, l)'s rows at receiver d
     int32_t* total = seg + ne;
-    int32_t* running = total + ne;  // [E] plan: this rank's routes per expert in the chunks so far
-    int32_t* m_of = running + ne;   // [R] rows of receiver d's contiguous output
+    int32_t* m_of = total + ne;    // [R] rows of receiver d's contiguous output
+    int32_t* running = m_of + nr;  // [E] plan: this rank's routes per expert in the chunks so far
     const int chunk = plan_chunk_tokens(ne, t_count);
     const int words = chunk / 32;
-    uint32_t* valid = reinterpret_cast<uint32_t*>(m_of + nr);  // [chunk] bit k: route k kept
-    uint32_t* bitmap = valid + chunk;                          // [E][words] the chunk's tokens per expert
+    uint32_t* valid = reinterpret_cast<uint32_t*>(running + ne);  // [chunk] bit k: route k kept
+    uint32_t* bitmap = valid + chunk;                             // [E][words] the chunk's tokens per expert
 
     __shared__ unsigned long long first_bad;
     __shared__ unsigned long long dropped;  // senders whose counts failed their check
@@ -319,36 +319,29 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
         for (int e = threadIdx.x; e < ne; e += blockDim.x) base[e] += seg[e];
         __syncthreads();
     };
-    int32_t* const tables = p.ws.direct_tables;  // base [E], seg [E], total [E], m_of [R], dropped, bad_sender
+    // the tables in the workspace: base, seg, total and m_of as they lie in dyn (3E + R words), then
+    // the dropped mask (two words) and bad_sender; every receiver's DirectOutputs beside
+    int32_t* const tables = p.ws.direct_tables;
+    auto copy_tables = [&](int32_t* to, const int32_t* from, DirectOutputs* to_desc, const DirectOutputs* from_desc) {
+        for (int i = threadIdx.x; i < 3 * ne + nr; i += blockDim.x) to[i] = from[i];
+        for (int i = threadIdx.x; i < nr * 16; i += blockDim.x)
+            reinterpret_cast<uint64_t*>(to_desc)[i] = reinterpret_cast<const uint64_t*>(from_desc)[i];
+    };
     auto store_tables = [&] {
-        for (int i = threadIdx.x; i < ne; i += blockDim.x) {
-            tables[i] = base[i];
-            tables[ne + i] = seg[i];
-            tables[2 * ne + i] = total[i];
-        }
-        for (int d = threadIdx.x; d < nr; d += blockDim.x) tables[3 * ne + d] = m_of[d];
+        copy_tables(tables, dyn, p.ws.direct_desc, desc);
         if (threadIdx.x == 0) {
             tables[3 * ne + nr] = static_cast<int32_t>(dropped & 0xffffffffull);
             tables[3 * ne + nr + 1] = static_cast<int32_t>(dropped >> 32);
             tables[3 * ne + nr + 2] = bad_sender;
         }
-        for (int i = threadIdx.x; i < nr * 16; i += blockDim.x)
-            reinterpret_cast<uint64_t*>(p.ws.direct_desc)[i] = reinterpret_cast<const uint64_t*>(desc)[i];
     };
     auto load_tables = [&] {  // the second launch, after the kernel boundary
-        for (int i = threadIdx.x; i < ne; i += blockDim.x) {
-            base[i] = tables[i];
-            seg[i] = tables[ne + i];
-            total[i] = tables[2 * ne + i];
-        }
-        for (int d = threadIdx.x; d < nr; d += blockDim.x) m_of[d] = tables[3 * ne + d];
+        copy_tables(dyn, tables, desc, p.ws.direct_desc);
         if (threadIdx.x == 0) {
             dropped = static_cast<uint32_t>(tables[3 * ne + nr]) |
                       (static_cast<unsigned long long>(static_cast<uint32_t>(tables[3 * ne + nr + 1])) << 32);
             bad_sender = tables[3 * ne + nr + 2];
         }
-        for (int i = threadIdx.x; i < nr * 16; i += blockDim.x)
-            reinterpret_cast<uint64_t*>(desc)[i] = reinterpret_cast<const uint64_t*>(p.ws.direct_desc)[i];
         __syncthreads();
     };
 
@@ -415,7 +408,8 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
             // publishes as soon as its own plan is done: the peers read only what it writes, and this
             // rank's positions are read after the boundary. kStepAll moves in the same grid, so the
             // last block to finish its plan publishes (every block's positions written).
-            if (blockIdx.x == 0 && threadIdx.x == 0) p.ws.state->sticky_seen = sticky_kind;
+            // (kStepAll: the last block publishes, and reads block 0's copy of the sticky word)
+            if (step == kStepAll && blockIdx.x == 0 && threadIdx.x == 0) p.ws.state->sticky_seen = sticky_kind;
             if (step == kStepAll ? last_block_arrives(&p.ws.arrive[2]) : blockIdx.x == 0) {
                 stamp(p.ws, kPtPlanned);
                 uint8_t* mine = team.self();
@@ -424,7 +418,9 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 if (threadIdx.x == 0) {
                     // no invalid route in this call and no sticky fault: OK whatever the mode (the host
                     // record's other words are not read)
-                    const int32_t sticky_seen = reinterpret_cast<volatile int32_t*>(&p.ws.state->sticky_seen)[0];
+                    const int32_t sticky_seen = step == kStepAll
+                                                    ? reinterpret_cast<volatile int32_t*>(&p.ws.state->sticky_seen)[0]
+                                                    : sticky_kind;  // this thread's own load
                     const RouteStatus st = first_bad == detail::kNoRouteKey && sticky_seen == detail::kRouteOk
                                                ? RouteStatus{}
                                                : resolve_route_status_of<kIdx64>(p, first_bad);
