@@ -29,14 +29,19 @@
 //             pointers, scale strides, status); then signals every peer's plan flag (release, GPU
 //             scope). With kStepAll, seeing its own flag tells every block of this rank that every
 //             position is written.
+//             Then, with kGather and p.prefetch_rows (every rank's input rows fit well within L2:
+//             decode), each block asks L2 for its share of them, for the move that starts once every
+//             rank has published.
 //   tables    the publishing block (kStepPublishMeet; it leaves them in ws.direct_tables and
 //             direct_desc for kStepMoveFinish's blocks), or every block of kStepAll and kStepMove,
-//             waits (bounded) for every sender's plan flag, reads every rank's counts
-//             (checked on receipt: each in [0, C], per receiver at most C * min(K, E_local); a sender
-//             that fails is dropped everywhere alike and recorded as a peer fault) and statuses (any
-//             bad one rejects the call on every rank), and derives, for every receiver d and local
-//             expert l, the segment start and this rank's first row there (SEMANTICS order: senders
-//             ascending).
+//             waits (bounded) for every sender's plan flag and reads every rank's counts (with
+//             kGather the publishing block reads each batch of senders as their flags arrive,
+//             kStageRows count rows a round trip staged in shared memory), checked
+//             on receipt (each in [0, C], per receiver at most C * min(K, E_local); a sender that
+//             fails is dropped everywhere alike and recorded as a peer fault), as are the statuses
+//             (any bad one rejects the call on every rank); from them come, for every receiver d and
+//             local expert l, the segment start and this rank's first row there (SEMANTICS order:
+//             senders ascending).
 //   move      warps take RowSlices of this rank's tokens: clean routes, quantize once (fp8 fused),
 //             store the row into every route's receiver row, with its scales, weight, source and
 //             m_indices; ws.route_row / route_w / clean_idx for the combine. Then the padding rows of
@@ -85,20 +90,25 @@ enum DirectStep : int32_t {
 constexpr int kDirectMaxRanks = 64;      // senders dropped as corrupt are one 64-bit mask
 constexpr int kDirectMaxExperts = 2048;  // per-expert tables in shared memory
 constexpr int kPlanWords = 8192;         // the plan's bitmap: E * chunk / 32 words (32 KB)
+constexpr int kStageRows = 8;            // the tables: senders' count rows staged per round trip
 
 // Tokens of one plan chunk: as many as the bitmap holds (at most 1024, a multiple of 32), fewer when
 // the rank has fewer tokens.
-__host__ __device__ inline int plan_chunk_tokens(int num_experts, int num_tokens) {
+__host__ __device__ constexpr int plan_chunk_tokens(int num_experts, int num_tokens) {
     int per = kPlanWords / (num_experts > 0 ? num_experts : 1);
     per = per < 1 ? 1 : per > 32 ? 32 : per;
     const int rounded = (num_tokens + 31) / 32;
     return 32 * (rounded < per ? (rounded > 0 ? rounded : 1) : per);
 }
 // dynamic shared memory of direct_dispatch_kernel: base, seg, total [E], m_of [R] (the tables, one
-// run of words), running [E], the chunk's kept-route masks [chunk] and its bitmap [E][chunk / 32]
-__host__ __device__ inline int direct_dispatch_smem_bytes(int num_experts, int num_ranks, int num_tokens) {
+// run of words), then the plan's running [E], the chunk's kept-route masks [chunk] and its bitmap
+// [E][chunk / 32], whose words the gathered tables (`gather`: kGather) reuse once the plan is
+// published, for kStageRows senders' count rows [kStageRows][E]
+__host__ __device__ constexpr int direct_dispatch_smem_bytes(int num_experts, int num_ranks, int num_tokens,
+                                                             bool gather) {
     const int chunk = plan_chunk_tokens(num_experts, num_tokens);
-    return (4 * num_experts + num_ranks + chunk + num_experts * (chunk / 32)) * 4;
+    const int plan = num_experts + chunk + num_experts * (chunk / 32), stage = gather ? kStageRows * num_experts : 0;
+    return (3 * num_experts + num_ranks + (plan > stage ? plan : stage)) * 4;
 }
 
 // Position of token t among the tokens whose bit is set in `row` (bits t ascending, 32 per word).
@@ -107,6 +117,29 @@ __device__ __forceinline__ int bitmap_rank(const uint32_t* row, int t) {
     for (int w = 0; w < t / 32; ++w) c += __popc(row[w]);
     return c + __popc(row[t / 32] & lanes_below(t % 32));
 }
+
+// One (sender, receiver) pair's counts, read 32 local experts at a time across a warp's lanes: their
+// sum and the first count outside [0, C], as a serial scan over the experts finds it. Every lane
+// calls (add with the same `in` pattern on each).
+struct PairCheck {
+    int64_t sum = 0;
+    int32_t bad_c = 0;
+    bool each_ok = true;
+    __device__ __forceinline__ void add(int32_t v, bool in, int cap) {
+        sum += v;
+        const unsigned bad = __ballot_sync(kFullMask, in && !(v >= 0 && v <= cap));
+        if (bad != 0 && each_ok) {
+            bad_c = __shfl_sync(kFullMask, v, __ffs(bad) - 1);
+            each_ok = false;
+        }
+    }
+    __device__ __forceinline__ int64_t total() const {  // the sum over the warp
+        int64_t t = sum;
+#pragma unroll
+        for (int o = kWarpSize / 2; o > 0; o >>= 1) t += __shfl_xor_sync(kFullMask, t, o);
+        return t;
+    }
+};
 
 // The last block of the grid to call this (after its writes) returns true, with every block's writes
 // visible to it; the counter is reset for the next launch. Every thread must call.
@@ -148,7 +181,7 @@ __device__ __forceinline__ int entry_point(int step, int first, int second) {
     return step == kStepFinish ? -1 : (step == kStepMove || step == kStepMoveFinish) ? second : first;
 }
 
-template <class Team, SendPayload kPayload, bool kIdx64>
+template <class Team, SendPayload kPayload, bool kIdx64, bool kGather>
 __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchParams<Team> p) {
     constexpr bool kFP8 = payload_is_fp8(kPayload);
     constexpr bool kFused = payload_quantizes(kPayload);
@@ -204,42 +237,60 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     __shared__ int64_t dst_cs[kWarps][kMaxTopk];
 
     // ---- tables: every sender's counts and status, into shared memory (base, seg, total, m_of, desc,
-    // dropped, bad_sender), every plan flag already seen: read by the dispatch's waiting block when a
-    // second launch follows (kStepPublishMeet, which leaves them in ws.direct_tables / direct_desc:
-    // store_tables, load_tables), else by every block of the move (kStepAll, kStepMove). Block 0
-    // records a peer fault. (Latency: the block's threads share the loads, so each step costs one
-    // round trip to L2, not one per peer or per expert in series.)
+    // dropped, bad_sender), read by the dispatch's waiting block when a second launch follows
+    // (kStepPublishMeet, which leaves them in ws.direct_tables / direct_desc: store_tables,
+    // load_tables), else by every block of the move once every flag is seen (kStepAll, kStepMove).
+    // Block 0 records a peer fault. Two forms:
+    //   every flag seen, then two round trips to L2 over every sender (read_every_sender: the counts'
+    //     checks, then the kept senders' sums), the default;
+    //   kGather (ELASTICEP_DIRECT_TABLES=gather, opt-in until measured on a device): kStageRows
+    //     senders' count rows per round trip, staged in shared memory, checked and summed there
+    //     (read_senders); the waiting block reads each batch of senders as their flags arrive
+    //     (gather_tables), so that after the last flag only the last senders are left.
+    // (Latency: the block's threads share the loads, so each step costs one round trip, not one per
+    // peer or per expert in series.)
+    int32_t* const stage = running;  // kGather: [kStageRows][E] senders' count rows (the plan's words)
+    __shared__ int sender_list[kDirectMaxRanks];
+    __shared__ int list_size;
     auto start_tables = [&] {
         if (threadIdx.x == 0) {
             dropped = 0;
             bad_sender = nr;
         }
         for (int q = threadIdx.x; q < nr; q += blockDim.x) win[q] = team.window(q);
+        if constexpr (kGather)
+            for (int e = threadIdx.x; e < ne; e += blockDim.x) {
+                total[e] = 0;
+                base[e] = 0;  // this rank's first row at e, from the senders below it (seg added at the end)
+            }
         __syncthreads();
     };
-    auto read_tables = [&] {
-        auto counts_of = [&](int q) {
-            return RegionLayout::at<const int32_t>(win[q], region.published_count_row(parity));
-        };
-        for (int i = threadIdx.x; i < nr * 16; i += blockDim.x) {  // every receiver's DirectOutputs
-            const int q = i / 16, w = i % 16;
+    auto counts_of = [&](int q) { return RegionLayout::at<const int32_t>(win[q], region.published_count_row(parity)); };
+    auto load_desc = [&](const int* list, int n) {  // senders list[0, n)'s DirectOutputs (list null: 0..n-1)
+        for (int i = threadIdx.x; i < n * 16; i += blockDim.x) {
+            const int q = list ? list[i / 16] : i / 16, w = i % 16;
             const uint64_t* src = RegionLayout::at<const uint64_t>(win[q], region.published_outputs(parity));
             reinterpret_cast<uint64_t*>(&desc[q])[w] = __ldcg(reinterpret_cast<const unsigned long long*>(src) + w);
         }
-        const int64_t per_receiver = int64_t{cap} * (kk < el ? kk : el);
+    };
+    // the end of one (sender s, receiver) pair's check on the warp's PairCheck (lane 0 acts): a count
+    // outside [0, C], or more than C * min(K, E_local) in all, drops s everywhere alike
+    auto end_pair = [&](const PairCheck& c, int s) {
+        const int64_t sum = c.total(), per_receiver = int64_t{cap} * (kk < el ? kk : el);
+        if (lane == 0 && (!c.each_ok || sum > per_receiver)) {
+            atomicOr(&dropped, 1ull << s);
+            if (blockIdx.x == 0)
+                record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch,
+                                  c.each_ok ? sum : c.bad_c, c.each_ok ? per_receiver : cap);
+        }
+    };
+    auto read_every_sender = [&] {
+        load_desc(nullptr, nr);
         // a warp per kPairBatch (sender, receiver) pairs: its lanes read the local experts' counts side
         // by side, the batch's loads in flight together (one round trip per batch, not one per pair)
         constexpr int kPairBatch = 8;
         for (int pair0 = warp * kPairBatch; pair0 < nr * nr; pair0 += kWarps * kPairBatch) {
-            int64_t sum[kPairBatch];
-            int32_t bad_c[kPairBatch];
-            bool each_ok[kPairBatch];
-#pragma unroll
-            for (int u = 0; u < kPairBatch; ++u) {
-                sum[u] = 0;
-                bad_c[u] = 0;
-                each_ok[u] = true;
-            }
+            PairCheck c[kPairBatch];
             for (int l0 = 0; l0 < el; l0 += kWarpSize) {
                 const int l = l0 + lane;
                 int32_t v[kPairBatch];
@@ -249,38 +300,15 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                     v[u] = pair < nr * nr && l < el ? __ldcg(counts_of(pair / nr) + (pair % nr) * el + l) : 0;
                 }
 #pragma unroll
-                for (int u = 0; u < kPairBatch; ++u) {
-                    sum[u] += v[u];
-                    const unsigned bad = __ballot_sync(kFullMask, l < el && !(v[u] >= 0 && v[u] <= cap));
-                    if (bad != 0 && each_ok[u]) {  // the first failing count, as a serial scan finds it
-                        bad_c[u] = __shfl_sync(kFullMask, v[u], __ffs(bad) - 1);
-                        each_ok[u] = false;
-                    }
-                }
+                for (int u = 0; u < kPairBatch; ++u) c[u].add(v[u], l < el, cap);
             }
 #pragma unroll
-            for (int u = 0; u < kPairBatch; ++u) {
-                const int pair = pair0 + u;
-                int64_t total_c = sum[u];
-#pragma unroll
-                for (int o = kWarpSize / 2; o > 0; o >>= 1) total_c += __shfl_xor_sync(kFullMask, total_c, o);
-                if (lane == 0 && pair < nr * nr && (!each_ok[u] || total_c > per_receiver)) {
-                    const int s = pair / nr;
-                    atomicOr(&dropped, 1ull << s);
-                    if (blockIdx.x == 0)
-                        record_peer_fault(p.ws, p.record, detail::kPeerExpertCount, s, kPhaseDispatch,
-                                          each_ok[u] ? total_c : bad_c[u], each_ok[u] ? per_receiver : cap);
-                }
-            }
+            for (int u = 0; u < kPairBatch; ++u)
+                if (pair0 + u < nr * nr) end_pair(c[u], (pair0 + u) / nr);
         }
-        __syncthreads();  // desc complete
-        for (int q = threadIdx.x; q < nr; q += blockDim.x)
-            if (reinterpret_cast<volatile int32_t*>(&desc[q].status.kind)[0] != detail::kRouteOk)
-                atomicMin(&bad_sender, q);
         __syncthreads();
-        const bool rejected = bad_sender < nr;
         for (int e = threadIdx.x; e < ne; e += blockDim.x) {
-            int32_t tot = 0, before = 0;
+            int32_t tot = 0, below = 0;
             for (int s0 = 0; s0 < nr; s0 += 8) {  // 8 loads in flight
                 int32_t v[8];
 #pragma unroll
@@ -290,13 +318,133 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 }
 #pragma unroll
                 for (int u = 0; u < 8; ++u) {
-                    before += s0 + u < rank ? v[u] : 0;
+                    below += s0 + u < rank ? v[u] : 0;
                     tot += v[u];
                 }
             }
-            total[e] = rejected ? 0 : tot;
-            base[e] = rejected ? 0 : before;
+            total[e] = tot;
+            base[e] = below;
         }
+        __syncthreads();
+    };
+    // kGather: senders list[0, n), n <= kStageRows: their DirectOutputs and count rows in one round
+    // trip, each (sender, receiver) pair checked from shared memory, then the kept senders' counts
+    // added to total and, for senders below this rank, to base. Every thread calls.
+    auto read_senders = [&](const int* list, int n) {
+        load_desc(list, n);
+        const int words_n = n * ne;
+        for (int i0 = threadIdx.x; i0 < words_n; i0 += 8 * blockDim.x) {  // 8 loads in flight
+            int32_t v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = i0 + u * static_cast<int>(blockDim.x);
+                v[u] = i < words_n ? __ldcg(counts_of(list[i / ne]) + i % ne) : 0;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int i = i0 + u * static_cast<int>(blockDim.x);
+                if (i < words_n) stage[i] = v[u];
+            }
+        }
+        __syncthreads();
+        for (int pair = warp; pair < n * nr; pair += kWarps) {  // a warp per (sender, receiver) pair
+            const int32_t* row = stage + (pair / nr) * ne + (pair % nr) * el;
+            PairCheck c;
+            for (int l0 = 0; l0 < el; l0 += kWarpSize) {
+                const int l = l0 + lane;
+                c.add(l < el ? row[l] : 0, l < el, cap);
+            }
+            end_pair(c, list[pair / nr]);
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < ne; e += blockDim.x) {
+            int32_t tot = 0, below = 0;
+            for (int j = 0; j < n; ++j) {
+                const int s = list[j];
+                const int32_t v = (dropped >> s) & 1ull ? 0 : stage[j * ne + e];
+                tot += v;
+                below += s < rank ? v : 0;
+            }
+            total[e] += tot;
+            base[e] += below;
+        }
+        __syncthreads();
+    };
+    auto read_all_senders = [&] {  // every plan flag seen
+        if constexpr (!kGather) {
+            read_every_sender();
+        } else {
+            for (int q = threadIdx.x; q < nr; q += blockDim.x) sender_list[q] = q;
+            __syncthreads();
+            for (int j0 = 0; j0 < nr; j0 += kStageRows) read_senders(sender_list + j0, min(kStageRows, nr - j0));
+        }
+    };
+    // kGather, the waiting block: every sender's plan flag (bounded by the timeout), each batch of
+    // senders whose flags arrived since the last look read at once (read_senders). Once every flag is
+    // seen, the second launch may be scheduled. Returns false (every thread) on a timeout, recorded as
+    // block_meet records it.
+    auto gather_tables = [&]() -> bool {
+        __shared__ unsigned long long seen, fresh;
+        __shared__ int expired, late;
+        const unsigned long long everyone = nr >= 64 ? ~0ull : (1ull << nr) - 1;
+        const Deadline deadline = Deadline::from_now(p.timeout_ns);
+        auto flag = [&](int q) { return region.plan_flag(q); };
+        if (threadIdx.x == 0) seen = 0;
+        for (;;) {
+            __syncthreads();  // (the last look's fresh and list read)
+            if (threadIdx.x == 0) {
+                fresh = 0;
+                expired = deadline.expired() ? 1 : 0;
+            }
+            __syncthreads();
+            const unsigned long long had = seen;
+            for (int q = threadIdx.x; q < nr; q += blockDim.x)  // each thread acquires its peers' flags
+                if (!((had >> q) & 1ull) && team.peek_gpu(flag(q)) >= epoch) atomicOr(&fresh, 1ull << q);
+            __syncthreads();
+            const unsigned long long got = fresh;
+            if (got == 0) {
+                if (expired) {  // wait_all's pass records the peers still missing, if any still are
+                    if (threadIdx.x == 0)
+                        late = wait_all<true>(team, flag, epoch, deadline, kPhaseDispatch, p.record) != WaitStatus::kOk;
+                    __syncthreads();
+                    if (late) {
+                        if (threadIdx.x == 0) p.ws.state->timed_out = 1;
+                        allow_next_grid();
+                        return false;
+                    }
+                } else {
+                    __nanosleep(32);
+                }
+                continue;
+            }
+            if (threadIdx.x == 0) {
+                int n = 0;
+                for (unsigned long long m = got; m; m &= m - 1)
+                    sender_list[n++] = __ffsll(static_cast<long long>(m)) - 1;
+                list_size = n;
+                seen = had | got;
+            }
+            __syncthreads();
+            const bool all_seen = (had | got) == everyone;
+            if (all_seen) {
+                stamp(p.ws, kPtPlansSeen);
+                allow_next_grid();  // this block waits on no peer any more
+            }
+            const int n = list_size;
+            for (int j0 = 0; j0 < n; j0 += kStageRows) read_senders(sender_list + j0, min(kStageRows, n - j0));
+            if (all_seen) return true;
+        }
+    };
+    // every sender read: the statuses (any bad one rejects the call on every rank), then for every
+    // receiver d and local expert l the segment start and this rank's first row there (SEMANTICS
+    // order: senders ascending)
+    auto end_tables = [&] {
+        for (int q = threadIdx.x; q < nr; q += blockDim.x)
+            if (reinterpret_cast<volatile int32_t*>(&desc[q].status.kind)[0] != detail::kRouteOk)
+                atomicMin(&bad_sender, q);
+        __syncthreads();
+        if (bad_sender < nr)
+            for (int e = threadIdx.x; e < ne; e += blockDim.x) total[e] = base[e] = 0;
         __syncthreads();
         // segment starts: a warp per receiver scans its local experts' aligned totals, 32 at a time
         for (int d = warp; d < nr; d += kWarps) {
@@ -343,6 +491,24 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
             bad_sender = tables[3 * ne + nr + 2];
         }
         __syncthreads();
+    };
+
+    // The first launch's blocks, their plan done, ask L2 for this rank's input rows (each block its
+    // share of the tokens, t mod grid), so that the move, which starts only once every rank has
+    // published, finds them there instead of in HBM. Only when the host found that every rank's rows
+    // fit well within L2 (p.prefetch_rows: decode); a prefetch is a hint and changes no result.
+    auto prefetch_rows = [&] {
+        if (!kGather || !p.prefetch_rows) return;  // (opt-in with the gathered tables until measured)
+        const int64_t x_row_bytes = int64_t{sh.hidden} * (kFP8 && !kFused ? 1 : 2);
+        const int lines = static_cast<int>((x_row_bytes + 127) / 128);
+        const int share =
+            (t_count - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+        const int64_t stride = p.x_row_stride * (kFP8 && !kFused ? 1 : 2);
+        for (int i = threadIdx.x; i < share * lines; i += blockDim.x) {
+            const int t = static_cast<int>(blockIdx.x) + (i / lines) * static_cast<int>(gridDim.x);
+            const int64_t off = t * stride + min(int64_t{i % lines} * 128, x_row_bytes - 1);
+            prefetch_l2(static_cast<const uint8_t*>(p.x) + off);
+        }
     };
 
     if (step != kStepFinish) {
@@ -446,24 +612,34 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 // the tables for the second launch, which it lets be scheduled first (its blocks wait for
                 // this grid's completion, and this block waits on no peer any more)
                 if (step == kStepPublishMeet) {
+                    prefetch_rows();
                     start_tables();
-                    const bool met = block_meet(
-                        team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record,
-                        p.ws);
-                    stamp(p.ws, kPtPlansSeen);
-                    allow_next_grid();
+                    bool met;
+                    if constexpr (kGather) {
+                        met = gather_tables();
+                    } else {
+                        met = block_meet(
+                            team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch,
+                            p.record, p.ws);
+                        stamp(p.ws, kPtPlansSeen);
+                        allow_next_grid();
+                        if (met) read_every_sender();
+                    }
                     if (met) {
-                        read_tables();
+                        end_tables();
                         store_tables();
                         stamp(p.ws, kPtTablesMade);
                     }
                 }
             }
-            if (step == kStepPublish || step == kStepPublishMeet) return;
+            if (step == kStepPublish || step == kStepPublishMeet) {
+                if (blockIdx.x != 0 || step == kStepPublish) prefetch_rows();
+                return;
+            }
         }
 
-        // ---- tables (read_tables): left by the first launch's waiting block when this is the second
-        // launch; otherwise this block waits for every plan flag and reads them ----
+        // ---- tables: left by the first launch's waiting block when this is the second launch;
+        // otherwise this block waits for every plan flag and reads them ----
         bool ok = true;
         if (step == kStepMoveFinish) {
             load_tables();
@@ -471,7 +647,10 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
             start_tables();
             ok = block_meet(
                 team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch, p.record, p.ws);
-            if (ok) read_tables();
+            if (ok) {
+                read_all_senders();
+                end_tables();
+            }
         }
         if (ok) {
             const bool rejected = bad_sender < nr;
