@@ -1,12 +1,12 @@
-# tools/device-check STEPS=perf on the CPU backend with a tiny shape (PERF_BACKEND=cpu) and BASE_ENV
-# (the base = this build under another setting): the step's logic without a GPU. Checks what it wrote: every bench JSON, the verified runs
+# tools/device-check STEPS=perf on the CPU backend with a tiny shape (PERF_BACKEND=cpu), BASE_ENV
+# (the base = this build under another setting) and PERF_REPEATS=2: the step's logic without a GPU. Checks what it wrote: every bench JSON, the verified runs
 # verified, stage-time sections, the table's rows (figure = the JSON's median, the base column), and
 # the rows-written-once byte count recomputed from the row's counts.
 # -DCLI=<elasticep> -DROOT=<source dir> -DBUILD_DIR=<build dir> -DWORK_DIR=<output dir>
 file(REMOVE_RECURSE "${WORK_DIR}")
 execute_process(
   COMMAND ${CMAKE_COMMAND} -E env STEPS=perf PERF_BACKEND=cpu "PERF_SHAPE=--hidden 256 --experts 16 --topk 4"
-          PERF_DECODE_TOKENS=1,8 PERF_PREFILL_TOKENS=16,64 PERF_DECODE_T=8 PERF_PREFILL_T=64 PERF_ROUNDS=2
+          PERF_DECODE_TOKENS=1,8 PERF_PREFILL_TOKENS=16,64 PERF_DECODE_T=8 PERF_PREFILL_T=64 PERF_ROUNDS=2 PERF_REPEATS=2
           ELASTICEP_BUILD_DIR=${BUILD_DIR} BASE_ENV=ELASTICEP_BULK_COPIES=0 STEP_TIMEOUT=120
           bash ${ROOT}/tools/device-check ${WORK_DIR}
   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
@@ -14,7 +14,8 @@ if(NOT rc EQUAL 0)
   message(FATAL_ERROR "device-check STEPS=perf exited ${rc}:\n${out}\n${err}")
 endif()
 foreach(f perf_decode perf_prefill base_perf_decode base_perf_prefill perf_decode_verified perf_prefill_verified
-          perf_sweep_decode perf_sweep_prefill base_perf_sweep_decode base_perf_sweep_prefill)
+          perf_sweep_decode perf_sweep_prefill base_perf_sweep_decode base_perf_sweep_prefill perf_decode_rep1
+          perf_decode_rep2 base_perf_decode_rep1 base_perf_decode_rep2)
   if(NOT EXISTS "${WORK_DIR}/${f}.json")
     message(FATAL_ERROR "no ${f}.json:\n${out}")
   endif()
@@ -80,4 +81,18 @@ endif()
 file(READ "${WORK_DIR}/perf_table.md" md)
 if(NOT md MATCHES "\\| decode T=8 \\| dispatch \\|" OR NOT md MATCHES "\\| prefill T=64 \\| combine \\|")
   message(FATAL_ERROR "perf_table.md:\n${md}")
+endif()
+# the repeats' table: 2 repeats, each figure's medians the runs' own (dispatch of repeat 2, new and
+# base), the paired change their difference's median
+file(READ "${WORK_DIR}/ab_repeats.json" ab)
+string(JSON reps GET "${ab}" repeats)
+string(JSON fig0 GET "${ab}" rows 0 figure)
+string(JSON n2 GET "${ab}" rows 0 new_us 1)
+string(JSON b2 GET "${ab}" rows 0 base_us 1)
+file(READ "${WORK_DIR}/perf_decode_rep2.json" r2)
+file(READ "${WORK_DIR}/base_perf_decode_rep2.json" br2)
+string(JSON want_n2 GET "${r2}" results 0 phases dispatch latency_us median)
+string(JSON want_b2 GET "${br2}" results 0 phases dispatch latency_us median)
+if(NOT reps EQUAL 2 OR NOT fig0 STREQUAL "dispatch" OR NOT n2 STREQUAL want_n2 OR NOT b2 STREQUAL want_b2)
+  message(FATAL_ERROR "ab_repeats.json: ${reps} repeats, row 0 ${fig0}, repeat 2 ${n2} / ${b2} (want ${want_n2} / ${want_b2})")
 endif()
