@@ -3,18 +3,25 @@
 // dropped and recorded as a peer fault naming the sender, and nothing is written outside the outputs
 // or the windows. The test writes rank 0's window by hand, as two senders would have, then runs the
 // exchange (wait-only: the flags are already there), expand and partial kernels of the library on it.
-// Run compute-sanitizer over it as well (tools/device-check sanitize).
+// The direct path's tables likewise (below): what three senders published, read by a receiver's
+// direct dispatch kernel in both of its forms. Run compute-sanitizer over it as well (tools/device-check
+// sanitize).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backends/cuda/kernel_launch.hpp"
 #include "core/protocol.hpp"
 #include "gpu_harness.hpp"
 #include "kernels/common/buffer_layout.hpp"
+#include "kernels/intranode/direct.cuh"
 
 namespace eptest {
 namespace {
@@ -55,22 +62,51 @@ struct GuardedDev {
     }
 };
 
-Shape make_shape() {
+// A zeroed HostRecord in host-mapped memory, as the library's kernels report into.
+struct MappedRecord {
+    HostRecord* host = nullptr;
+    HostRecord* dev = nullptr;
+    MappedRecord() {
+        if (cudaHostAlloc(reinterpret_cast<void**>(&host), sizeof(HostRecord), cudaHostAllocMapped) != cudaSuccess ||
+            cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), host, 0) != cudaSuccess)
+            throw std::runtime_error("cudaHostAlloc (mapped)");
+        std::memset(static_cast<void*>(host), 0, sizeof(HostRecord));
+    }
+    ~MappedRecord() { cudaFreeHost(host); }
+};
+
+// The device array of every rank's window that a team addresses.
+struct WindowTable {
+    uint8_t** dev = nullptr;
+    explicit WindowTable(const std::vector<uint8_t*>& windows) {
+        const size_t bytes = windows.size() * sizeof(uint8_t*);
+        if (cudaMalloc(&dev, bytes) != cudaSuccess ||
+            cudaMemcpy(dev, windows.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess)
+            throw std::runtime_error("the window table");
+    }
+    ~WindowTable() { cudaFree(dev); }
+};
+
+// A buffer's shape (its message layout from the same sizes); `direct`: the direct path's window.
+Shape shape_of(int ranks, int experts, int topk, int hidden, int capacity, bool direct) {
     BufferConfig c;
-    c.num_experts = kExperts;
-    c.num_topk = kTopk;
-    c.hidden = kHidden;
-    c.max_tokens_per_rank = kCapacity;
+    c.num_experts = experts;
+    c.num_topk = topk;
+    c.hidden = hidden;
+    c.max_tokens_per_rank = capacity;
     Shape s{};
-    s.num_ranks = kRanks;
-    s.num_experts = kExperts;
-    s.num_local_experts = kLocal;
-    s.num_topk = kTopk;
-    s.hidden = kHidden;
-    s.capacity = kCapacity;
+    s.num_ranks = ranks;
+    s.num_experts = experts;
+    s.num_local_experts = experts / ranks;
+    s.num_topk = topk;
+    s.hidden = hidden;
+    s.capacity = capacity;
     s.msg = detail::message_layout(c);
+    s.direct = direct;
     return s;
 }
+
+Shape make_shape() { return shape_of(kRanks, kExperts, kTopk, kHidden, kCapacity, false); }
 
 // What two senders put into rank 0's window (epoch 1, parity 1): sender 0 one message, sender 1 two.
 struct Message {
@@ -135,22 +171,16 @@ void run_receiver(const std::vector<Sent>& sent, bool run_partial, Outcome& out)
     const Workspace ws = Workspace::carve(sh, ws_mem.data());
     CUDA_EXPECT(cudaMemset(ws.first_bad_route, 0xff, sizeof(*ws.first_bad_route)));
     CUDA_EXPECT(cudaMemset(y.data(), 0, y.bytes));
-    uint8_t** windows = nullptr;
-    CUDA_EXPECT(cudaMalloc(&windows, 2 * sizeof(uint8_t*)));
-    uint8_t* host_windows[2] = {win0.data(), win1.data()};
-    CUDA_EXPECT(cudaMemcpy(windows, host_windows, sizeof(host_windows), cudaMemcpyHostToDevice));
-    HostRecord* rec = nullptr;
-    CUDA_EXPECT(cudaHostAlloc(reinterpret_cast<void**>(&rec), sizeof(HostRecord), cudaHostAllocMapped));
-    std::memset(static_cast<void*>(rec), 0, sizeof(HostRecord));
-    HostRecord* rec_dev = nullptr;
-    CUDA_EXPECT(cudaHostGetDevicePointer(reinterpret_cast<void**>(&rec_dev), rec, 0));
+    const WindowTable windows({win0.data(), win1.data()});
+    const MappedRecord record;
+    HostRecord* rec = record.host;
 
     auto fill = [&](kernels::CallParams<Team>& p) {
-        p.team = Team{transport::NvlinkWindows{0, kRanks, windows, win0.data()}};
+        p.team = Team{transport::NvlinkWindows{0, kRanks, windows.dev, win0.data()}};
         p.shape = sh;
         p.region = region;
         p.ws = ws;
-        p.record = rec_dev;
+        p.record = record.dev;
         p.timeout_ns = 2000000000ull;
         p.sync_mode = kernels::kWaitOnly;  // the flags are already in the window
         p.num_tokens = 0;
@@ -182,8 +212,6 @@ void run_receiver(const std::vector<Sent>& sent, bool run_partial, Outcome& out)
     out.recv_src = download<int32_t>(recv_src.data(), static_cast<size_t>(rows_cap));
     out.guards_ok = win0.guards_intact() && win1.guards_intact() && ws_mem.guards_intact() && recv_x.guards_intact() &&
                     recv_w.guards_intact() && recv_src.guards_intact() && m_idx.guards_intact() && y.guards_intact();
-    cudaFree(windows);
-    cudaFreeHost(rec);
 }
 
 constexpr int32_t kUnwritten = 0x5a5a5a5a;
@@ -282,6 +310,346 @@ TEST(CudaPeerChecks, ExpertCountsAboveTheRoutesTheMessagesCanCarry) {
     EXPECT_EQ(bad.fault.limit, 2);
     EXPECT_EQ(bad.counts, (std::vector<int32_t>{1, 0, 0}));
     EXPECT_TRUE(bad.guards_ok);
+}
+
+// ---- the direct path's tables (direct.cuh): the senders' published counts read and checked by a
+// receiver, both forms (the default; kGather, ELASTICEP_DIRECT_TABLES=gather) and both launches
+// that read them (kStepPublishMeet's waiting block, which leaves them in ws.direct_tables; kStepMove,
+// every block of the host-wait move). The test writes what three senders published into their own
+// windows, as their publish would have (counts, DirectOutputs, the plan flags in the receiver's
+// window), and runs the receiver, rank 1, with no tokens of its own. Expected tables: a serial
+// reading of the rule (protocol.hpp, "Peer data"; SEMANTICS order), written here.
+
+constexpr int kDRanks = 3, kDExperts = 6, kDLocal = 2, kDTopk = 1, kDHidden = 64, kDCap = 4, kDRank = 1;
+constexpr int kDRows = kDLocal * kDRanks * kDCap;  // the masked slab's rows; more than contiguous needs
+
+Shape direct_shape() { return shape_of(kDRanks, kDExperts, kDTopk, kDHidden, kDCap, true); }
+
+// What each sender published: its route count per global expert (receiver d's local experts at
+// [d * E_local, (d + 1) * E_local)) and its route status. The receiver's own row is its plan of no
+// tokens: zeros.
+struct Published {
+    std::vector<std::vector<int32_t>> counts;
+    std::vector<int32_t> status;  // RouteStatus::kind
+};
+
+Published honest_published() { return {{{1, 0, 2, 1, 0, 1}, {0, 0, 0, 0, 0, 0}, {0, 2, 1, 1, 3, 0}}, {0, 0, 0}}; }
+
+struct DirectTables {
+    std::vector<int32_t> base, seg, total, m_of;
+    uint64_t dropped = 0;
+    int bad_sender = kDRanks;
+};
+
+// The rule, one sender at a time: a count outside [0, C], or more than C * min(K, E_local) to one
+// receiver, drops the sender; any bad status rejects the call (every total 0); segments are each
+// receiver's local experts' totals (contiguous: rounded up to `align`, scanned; masked: R * C rows
+// each); base = the kept senders' counts below this rank, plus the segment start.
+DirectTables expected_tables(const Published& pub, int align) {
+    DirectTables t;
+    const int64_t per_receiver = int64_t{kDCap} * std::min(kDTopk, kDLocal);
+    for (int s = 0; s < kDRanks; ++s) {
+        for (int d = 0; d < kDRanks; ++d) {
+            int64_t sum = 0;
+            bool each_ok = true;
+            for (int l = 0; l < kDLocal; ++l) {
+                const int32_t v = pub.counts[static_cast<size_t>(s)][static_cast<size_t>(d * kDLocal + l)];
+                each_ok = each_ok && v >= 0 && v <= kDCap;
+                sum += v;
+            }
+            if (!each_ok || sum > per_receiver) t.dropped |= 1ull << s;
+        }
+        if (pub.status[static_cast<size_t>(s)] != 0 && t.bad_sender == kDRanks) t.bad_sender = s;
+    }
+    const bool rejected = t.bad_sender < kDRanks;
+    t.total.assign(kDExperts, 0);
+    t.base.assign(kDExperts, 0);
+    for (int s = 0; s < kDRanks && !rejected; ++s) {
+        if ((t.dropped >> s) & 1ull) continue;
+        for (int e = 0; e < kDExperts; ++e) {
+            t.total[static_cast<size_t>(e)] += pub.counts[static_cast<size_t>(s)][static_cast<size_t>(e)];
+            if (s < kDRank)
+                t.base[static_cast<size_t>(e)] += pub.counts[static_cast<size_t>(s)][static_cast<size_t>(e)];
+        }
+    }
+    t.seg.assign(kDExperts, 0);
+    for (int d = 0; d < kDRanks; ++d) {
+        int32_t at = 0;
+        for (int l = 0; l < kDLocal; ++l) {
+            const size_t e = static_cast<size_t>(d * kDLocal + l);
+            t.seg[e] = align > 0 ? at : l * kDRanks * kDCap;
+            at += align > 0 ? (t.total[e] + align - 1) / align * align : 0;
+        }
+        t.m_of.push_back(align > 0 ? at : kDLocal * kDRanks * kDCap);
+    }
+    for (int e = 0; e < kDExperts; ++e) t.base[static_cast<size_t>(e)] += t.seg[static_cast<size_t>(e)];
+    return t;
+}
+
+struct DirectRun {
+    bool gather = false;
+    int align = 0;              // 0: masked layout; else contiguous with this alignment (host sync)
+    bool publish_meet = false;  // kStepPublishMeet (the waiting block); else kStepMove
+    bool late_flag = false;     // sender 2's plan flag written after the launch (publish_meet only)
+};
+
+struct DirectOutcome {
+    detail::PeerFault fault{};
+    std::string message;
+    std::vector<int32_t> tables;  // ws.direct_tables (publish_meet)
+    std::vector<int32_t> counts, offsets, recv_src;
+    int64_t num_rows = 0;
+    int32_t bad_sender = 0;
+    bool guards_ok = false;
+};
+
+void run_direct_receiver(const Published& pub, const DirectRun& run, DirectOutcome& out) {
+    const Shape sh = direct_shape();
+    const RegionLayout region = RegionLayout::make(sh);
+    const int64_t ws_bytes = Workspace::carve(sh, nullptr).bytes;
+    constexpr int kParity = 1;  // epoch 1
+    std::vector<std::unique_ptr<GuardedDev>> win;
+    for (int q = 0; q < kDRanks; ++q) win.push_back(std::make_unique<GuardedDev>(static_cast<size_t>(region.bytes)));
+    GuardedDev ws_mem(static_cast<size_t>(ws_bytes));
+    GuardedDev recv_x(static_cast<size_t>(kDRows * kDHidden * 2)), recv_w(static_cast<size_t>(kDRows * 4)),
+        recv_src(static_cast<size_t>(kDRows * 4)), m_idx(static_cast<size_t>(kDRows * 4));
+    for (int q = 0; q < kDRanks; ++q) {
+        std::vector<uint8_t> w(static_cast<size_t>(region.bytes), 0);
+        const bool own = q == kDRank;
+        if (!own || !run.publish_meet) {  // what q's publish left in its own window
+            kernels::DirectOutputs o{};
+            o.recv_x = recv_x.data();
+            o.recv_weights = reinterpret_cast<float*>(recv_w.data());
+            o.recv_src = reinterpret_cast<int32_t*>(recv_src.data());
+            o.m_indices = reinterpret_cast<int32_t*>(m_idx.data());
+            o.status.kind = pub.status[static_cast<size_t>(q)];
+            std::memcpy(w.data() + region.published_outputs(kParity), &o, sizeof(o));
+            std::memcpy(w.data() + region.published_count_row(kParity), pub.counts[static_cast<size_t>(q)].data(),
+                        kDExperts * 4);
+        }
+        if (own)  // every sender's plan flag in the receiver's window (its own: kStepMove only)
+            for (int s = 0; s < kDRanks; ++s) {
+                if ((s == kDRank && run.publish_meet) || (s == 2 && run.late_flag)) continue;
+                const uint64_t epoch = 1;
+                std::memcpy(w.data() + region.plan_flag(s), &epoch, 8);
+            }
+        CUDA_EXPECT(cudaMemcpy(win[static_cast<size_t>(q)]->data(), w.data(), w.size(), cudaMemcpyHostToDevice));
+    }
+    CUDA_EXPECT(cudaMemset(ws_mem.data(), 0, static_cast<size_t>(ws_bytes)));
+    const Workspace ws = Workspace::carve(sh, ws_mem.data());
+    std::vector<uint8_t*> host_windows;
+    for (const auto& w : win) host_windows.push_back(w->data());
+    const WindowTable windows(host_windows);
+    const MappedRecord record;
+    HostRecord* rec = record.host;
+    uint64_t* late = nullptr;  // pinned: the late flag's value, copied while the kernel waits
+    CUDA_EXPECT(cudaHostAlloc(reinterpret_cast<void**>(&late), sizeof(uint64_t), cudaHostAllocDefault));
+    *late = 1;
+    cudaStream_t kernel_stream = nullptr, copy_stream = nullptr;
+    CUDA_EXPECT(cudaStreamCreateWithFlags(&kernel_stream, cudaStreamNonBlocking));
+    CUDA_EXPECT(cudaStreamCreateWithFlags(&copy_stream, cudaStreamNonBlocking));
+
+    DispatchParams p{};
+    p.team = Team{transport::NvlinkWindows{kDRank, kDRanks, windows.dev, host_windows[kDRank]}};
+    p.shape = sh;
+    p.region = region;
+    p.ws = ws;
+    p.record = record.dev;
+    p.timeout_ns = 2000000000ull;
+    p.sync_mode = kernels::kDevice;
+    p.num_tokens = 0;
+    p.step = run.publish_meet ? kernels::kStepPublishMeet : kernels::kStepMove;
+    p.host_sync = run.align > 0;
+    p.expert_alignment = run.align;
+    p.num_rows_out = kDRows;
+    p.recv_x = recv_x.data();
+    p.recv_weights = reinterpret_cast<float*>(recv_w.data());
+    p.recv_src = reinterpret_cast<int32_t*>(recv_src.data());
+    p.m_indices = reinterpret_cast<int32_t*>(m_idx.data());
+    const DispatchModes modes{kernels::SendPayload::kBF16, false, run.align > 0, run.gather};
+    CUDA_EXPECT(cudaDeviceSynchronize());  // the windows' and workspace's fills (legacy stream) have landed
+    detail::cuda::launch_direct_dispatch(p, modes, 2, false, kernel_stream);
+    if (run.late_flag) {  // sender 2's flag after the waiting block has had time to read the others
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        CUDA_EXPECT(
+            cudaMemcpyAsync(host_windows[kDRank] + region.plan_flag(2), late, 8, cudaMemcpyHostToDevice, copy_stream));
+        CUDA_EXPECT(cudaStreamSynchronize(copy_stream));
+    }
+    CUDA_EXPECT(cudaStreamSynchronize(kernel_stream));
+
+    out.fault = rec->peer_fault;
+    if (out.fault.kind != detail::kPeerOk) out.message = detail::peer_fault_message(out.fault, kDRank);
+    if (run.publish_meet) out.tables = download<int32_t>(ws.direct_tables, 3 * kDExperts + kDRanks + 3);
+    out.counts = download<int32_t>(ws.counts, kDLocal);
+    out.offsets = download<int32_t>(ws.offsets, kDLocal + 1);
+    out.recv_src = download<int32_t>(recv_src.data(), kDRows);
+    out.num_rows = rec->num_rows;
+    out.bad_sender = rec->bad_sender;
+    out.guards_ok = ws_mem.guards_intact() && recv_x.guards_intact() && recv_w.guards_intact() &&
+                    recv_src.guards_intact() && m_idx.guards_intact();
+    for (const auto& w : win) out.guards_ok = out.guards_ok && w->guards_intact();
+    cudaStreamDestroy(kernel_stream);
+    cudaStreamDestroy(copy_stream);
+    cudaFreeHost(late);
+}
+
+// Checks one run against the rule's tables `t`: the waiting block's tables in the workspace, or the
+// move's receiver summary and its own padding rows (the rows no sender fills: source -1).
+void expect_direct(const DirectRun& run, const DirectTables& t, const DirectOutcome& o, const std::string& what) {
+    EXPECT_TRUE(o.guards_ok) << what << ": a write outside the outputs, windows or workspace";
+    const bool rejected = t.bad_sender < kDRanks;
+    if (run.publish_meet) {
+        ASSERT_EQ(o.tables.size(), static_cast<size_t>(3 * kDExperts + kDRanks + 3)) << what;
+        auto part = [&](int at, int n) {
+            return std::vector<int32_t>(o.tables.begin() + at, o.tables.begin() + at + n);
+        };
+        EXPECT_EQ(part(0, kDExperts), t.base) << what << ": base";
+        EXPECT_EQ(part(kDExperts, kDExperts), t.seg) << what << ": seg";
+        EXPECT_EQ(part(2 * kDExperts, kDExperts), t.total) << what << ": total";
+        EXPECT_EQ(part(3 * kDExperts, kDRanks), t.m_of) << what << ": m_of";
+        const uint64_t dropped = static_cast<uint32_t>(o.tables[3 * kDExperts + kDRanks]) |
+                                 (uint64_t{static_cast<uint32_t>(o.tables[3 * kDExperts + kDRanks + 1])} << 32);
+        EXPECT_EQ(dropped, t.dropped) << what << ": dropped senders";
+        EXPECT_EQ(o.tables[3 * kDExperts + kDRanks + 2], t.bad_sender) << what << ": first bad sender";
+        return;
+    }
+    const int32_t m_rows = run.align > 0 ? t.m_of[kDRank] : 0;
+    std::vector<int32_t> counts, offsets;
+    for (int l = 0; l < kDLocal; ++l) {
+        counts.push_back(t.total[static_cast<size_t>(kDRank * kDLocal + l)]);
+        offsets.push_back(run.align > 0 ? t.seg[static_cast<size_t>(kDRank * kDLocal + l)] : 0);
+    }
+    offsets.push_back(m_rows);
+    EXPECT_EQ(o.counts, counts) << what << ": counts";
+    EXPECT_EQ(o.offsets, offsets) << what << ": offsets";
+    EXPECT_EQ(o.num_rows, m_rows) << what << ": M";
+    EXPECT_EQ(o.bad_sender, rejected ? t.bad_sender : -1) << what << ": the host summary's bad sender";
+    for (int r = 0; r < kDRows; ++r) {
+        bool pad = false;
+        if (!rejected && run.align > 0 && r < m_rows) {
+            int l = 0;
+            while (l + 1 < kDLocal && t.seg[static_cast<size_t>(kDRank * kDLocal + l + 1)] <= r) ++l;
+            pad = r - t.seg[static_cast<size_t>(kDRank * kDLocal + l)] >= counts[static_cast<size_t>(l)];
+        } else if (!rejected && run.align == 0) {
+            pad = r % (kDRanks * kDCap) >= counts[static_cast<size_t>(r / (kDRanks * kDCap))];
+        }
+        EXPECT_EQ(o.recv_src[static_cast<size_t>(r)], pad ? -1 : kUnwritten) << what << ": row " << r;
+    }
+}
+
+std::vector<DirectRun> direct_runs() {
+    std::vector<DirectRun> runs;
+    for (bool gather : {false, true})
+        for (int align : {0, 2})
+            for (bool meet : {false, true}) runs.push_back({gather, align, meet, false});
+    return runs;
+}
+
+std::string direct_name(const DirectRun& r) {
+    return std::string(r.gather ? "gathered" : "default") + (r.align ? " contiguous" : " masked") +
+           (r.publish_meet ? " publish-meet" : " move") + (r.late_flag ? " late flag" : "");
+}
+
+TEST(CudaPeerChecks, DirectTablesOfHonestSenders) {
+    ELASTICEP_SKIP_WITHOUT_GPU();
+    const Published pub = honest_published();
+    for (const DirectRun& run : direct_runs()) {
+        DirectOutcome o;
+        run_direct_receiver(pub, run, o);
+        ASSERT_FALSE(HasFatalFailure()) << direct_name(run);
+        EXPECT_EQ(o.fault.kind, detail::kPeerOk) << direct_name(run) << ": " << o.message;
+        const DirectTables t = expected_tables(pub, run.align);
+        EXPECT_EQ(t.dropped, 0u);
+        expect_direct(run, t, o, direct_name(run));
+    }
+}
+
+struct DirectForgery {
+    const char* name;
+    void (*forge)(Published&);
+    int sender;  // the one named (-1: no peer fault; a bad status rejects the call instead)
+    int64_t value, limit;
+};
+
+TEST(CudaPeerChecks, DirectTablesDropForgedSendersAndNameThem) {
+    ELASTICEP_SKIP_WITHOUT_GPU();
+    // C = 4; C * min(K, E_local) = 4 routes to one receiver
+    const std::vector<DirectForgery> cases = {
+        {"count above C", [](Published& p) { p.counts[2][4] = 5; }, 2, 5, kDCap},
+        {"negative count below this rank", [](Published& p) { p.counts[0][1] = -1; }, 0, -1, kDCap},
+        {"more routes to a receiver than C * min(K, E_local)",
+         [](Published& p) {
+             p.counts[2][2] = 3;
+             p.counts[2][3] = 2;
+         },
+         2, 5, 4},
+        {"a bad route status", [](Published& p) { p.status[2] = detail::kRouteOutOfRange; }, -1, 0, 0},
+    };
+    for (const DirectForgery& f : cases) {
+        Published pub = honest_published();
+        f.forge(pub);
+        const std::vector<DirectRun> runs = direct_runs();
+        for (const DirectRun& run : runs) {
+            const std::string what = std::string(f.name) + ", " + direct_name(run);
+            DirectOutcome o;
+            run_direct_receiver(pub, run, o);
+            ASSERT_FALSE(HasFatalFailure()) << what;
+            const DirectTables t = expected_tables(pub, run.align);
+            if (f.sender >= 0) {
+                EXPECT_EQ(t.dropped, 1ull << f.sender) << what;
+                EXPECT_EQ(o.fault.kind, detail::kPeerExpertCount) << what << ": " << o.message;
+                EXPECT_EQ(o.fault.sender, f.sender) << what;
+                EXPECT_EQ(o.fault.value, f.value) << what;
+                EXPECT_EQ(o.fault.limit, f.limit) << what;
+                EXPECT_NE(o.message.find("received corrupt data from rank " + std::to_string(f.sender)),
+                          std::string::npos)
+                    << o.message;
+            } else {
+                EXPECT_EQ(o.fault.kind, detail::kPeerOk) << what << ": " << o.message;
+                EXPECT_EQ(t.bad_sender, 2) << what;
+            }
+            expect_direct(run, t, o, what);
+        }
+    }
+}
+
+// Two senders forged at once: both dropped everywhere alike; the record names one of them (the
+// first to claim it).
+TEST(CudaPeerChecks, DirectTablesDropEveryForgedSender) {
+    ELASTICEP_SKIP_WITHOUT_GPU();
+    Published pub = honest_published();
+    pub.counts[0][0] = 9;
+    pub.counts[2][5] = -7;
+    for (const DirectRun& run : direct_runs()) {
+        DirectOutcome o;
+        run_direct_receiver(pub, run, o);
+        ASSERT_FALSE(HasFatalFailure()) << direct_name(run);
+        const DirectTables t = expected_tables(pub, run.align);
+        EXPECT_EQ(t.dropped, 0b101u);
+        EXPECT_EQ(o.fault.kind, detail::kPeerExpertCount) << direct_name(run) << ": " << o.message;
+        EXPECT_TRUE(o.fault.sender == 0 || o.fault.sender == 2) << direct_name(run) << ": " << o.message;
+        expect_direct(run, t, o, direct_name(run));
+    }
+}
+
+// The gathered form's waiting block reads senders as their flags arrive: sender 2's comes about 5 ms
+// after the launch, once the others have been read (a copy on another stream while the kernel
+// waits; not under compute-sanitizer, which runs one kernel or copy at a time). Same tables.
+TEST(CudaDirectTables, GatheredTablesWithALateSender) {
+    ELASTICEP_SKIP_WITHOUT_GPU();
+    for (bool forged : {false, true}) {
+        Published pub = honest_published();
+        if (forged) pub.counts[2][4] = 5;
+        for (int align : {0, 2}) {
+            const DirectRun run{true, align, true, true};
+            const std::string what = direct_name(run) + (forged ? ", sender 2 forged" : "");
+            DirectOutcome o;
+            run_direct_receiver(pub, run, o);
+            ASSERT_FALSE(HasFatalFailure()) << what;
+            EXPECT_EQ(o.fault.kind, forged ? detail::kPeerExpertCount : detail::kPeerOk) << what << ": " << o.message;
+            expect_direct(run, expected_tables(pub, align), o, what);
+        }
+    }
 }
 
 }  // namespace
