@@ -287,8 +287,9 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     auto read_every_sender = [&] {
         load_desc(nullptr, nr);
         // a warp per kPairBatch (sender, receiver) pairs: its lanes read the local experts' counts side
-        // by side, the batch's loads in flight together (one round trip per batch, not one per pair)
-        constexpr int kPairBatch = 8;
+        // by side, the batch's loads in flight together (one round trip per batch, not one per pair;
+        // 16 warps x 4 pairs cover R = 8's 64 pairs in one; 8 pairs spilled registers on sm_90a)
+        constexpr int kPairBatch = 4;
         for (int pair0 = warp * kPairBatch; pair0 < nr * nr; pair0 += kWarps * kPairBatch) {
             PairCheck c[kPairBatch];
             for (int l0 = 0; l0 < el; l0 += kWarpSize) {
