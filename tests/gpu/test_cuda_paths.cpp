@@ -5,8 +5,6 @@
 //   - a staged buffer with a small message ring (ELASTICEP_STAGING_BYTES) and hot-expert routing, so
 //     host-sync calls stream through the ring in several rounds; then a graph-mode call, which grows
 //     the ring to C slots (collective), and host-sync calls on the grown window;
-//   - the direct dispatch's opt-in gathered tables and prefetch (ELASTICEP_DIRECT_TABLES=gather,
-//     ELASTICEP_DIRECT_PREFETCH=1), host and device waits;
 //   - ranks_per_node < R: the node-level combine order on both paths (live once config validation
 //     accepts ranks_per_node for the direct topology, issue 12; skipped with the reason until then).
 #include <cstdlib>
@@ -126,23 +124,6 @@ TEST(CudaPaths, DirectDeviceWaitsMatchTheCpuBackend) {
     const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
     if (conn == nullptr || std::atoi(conn) < 16)
         GTEST_SKIP() << "needs CUDA_DEVICE_MAX_CONNECTIONS >= 16 in the environment (tools/device-check sets 32)";
-    run_path_matrix("direct", true);
-}
-
-// The direct dispatch's opt-in gathered tables (ELASTICEP_DIRECT_TABLES=gather: each sender's counts
-// read as its plan flag arrives, kStageRows rows a round trip staged in shared memory) with x's rows
-// prefetched (ELASTICEP_DIRECT_PREFETCH=1; these shapes fit within L2): the same matrix, host waits
-// (every block of the move reads the tables) and device waits (the waiting block gathers them).
-TEST(CudaPaths, DirectGatheredTablesMatchTheCpuBackend) {
-    ELASTICEP_SKIP_WITHOUT_GPU();
-    const ScopedEnv tables("ELASTICEP_DIRECT_TABLES", "gather");
-    const ScopedEnv prefetch("ELASTICEP_DIRECT_PREFETCH", "1");
-    run_path_matrix("direct");
-    if (::testing::Test::HasFailure()) return;
-    const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-    if (conn == nullptr || std::atoi(conn) < 16)
-        GTEST_SKIP() << "device waits need CUDA_DEVICE_MAX_CONNECTIONS >= 16 in the environment (tools/device-check "
-                        "sets 32); host waits passed";
     run_path_matrix("direct", true);
 }
 

@@ -4,7 +4,7 @@
 // or the windows. The test writes rank 0's window by hand, as two senders would have, then runs the
 // exchange (wait-only: the flags are already there), expand and partial kernels of the library on it.
 // The direct path's tables likewise (below): what three senders published, read by a receiver's
-// direct dispatch kernel in both of its forms. Run compute-sanitizer over it as well (tools/device-check
+// direct dispatch kernel in both launches that read them. Run compute-sanitizer over it as well (tools/device-check
 // sanitize).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -313,12 +313,11 @@ TEST(CudaPeerChecks, ExpertCountsAboveTheRoutesTheMessagesCanCarry) {
 }
 
 // ---- the direct path's tables (direct.cuh): the senders' published counts read and checked by a
-// receiver, both forms (the default; kGather, ELASTICEP_DIRECT_TABLES=gather) and both launches
-// that read them (kStepPublishMeet's waiting block, which leaves them in ws.direct_tables; kStepMove,
-// every block of the host-wait move). The test writes what three senders published into their own
-// windows, as their publish would have (counts, DirectOutputs, the plan flags in the receiver's
-// window), and runs the receiver, rank 1, with no tokens of its own. Expected tables: a serial
-// reading of the rule (protocol.hpp, "Peer data"; SEMANTICS order), written here.
+// receiver, in both launches that read them (kStepPublishMeet's waiting block, which leaves them in ws.direct_tables;
+// kStepMove, every block of the host-wait move). The test writes what three senders published into their own windows,
+// as their publish would have (counts, DirectOutputs, the plan flags in the receiver's window), and runs the receiver,
+// rank 1, with no tokens of its own. Expected tables: a serial reading of the rule (protocol.hpp, "Peer data";
+// SEMANTICS order), written here.
 
 constexpr int kDRanks = 3, kDExperts = 6, kDLocal = 2, kDTopk = 1, kDHidden = 64, kDCap = 4, kDRank = 1;
 constexpr int kDRows = kDLocal * kDRanks * kDCap;  // the masked slab's rows; more than contiguous needs
@@ -387,7 +386,6 @@ DirectTables expected_tables(const Published& pub, int align) {
 }
 
 struct DirectRun {
-    bool gather = false;
     int align = 0;              // 0: masked layout; else contiguous with this alignment (host sync)
     bool publish_meet = false;  // kStepPublishMeet (the waiting block); else kStepMove
     bool late_flag = false;     // sender 2's plan flag written after the launch (publish_meet only)
@@ -466,7 +464,7 @@ void run_direct_receiver(const Published& pub, const DirectRun& run, DirectOutco
     p.recv_weights = reinterpret_cast<float*>(recv_w.data());
     p.recv_src = reinterpret_cast<int32_t*>(recv_src.data());
     p.m_indices = reinterpret_cast<int32_t*>(m_idx.data());
-    const DispatchModes modes{kernels::SendPayload::kBF16, false, run.align > 0, run.gather};
+    const DispatchModes modes{kernels::SendPayload::kBF16, false, run.align > 0};
     CUDA_EXPECT(cudaDeviceSynchronize());  // the windows' and workspace's fills (legacy stream) have landed
     detail::cuda::launch_direct_dispatch(p, modes, 2, false, kernel_stream);
     if (run.late_flag) {  // sender 2's flag after the waiting block has had time to read the others
@@ -539,15 +537,14 @@ void expect_direct(const DirectRun& run, const DirectTables& t, const DirectOutc
 
 std::vector<DirectRun> direct_runs() {
     std::vector<DirectRun> runs;
-    for (bool gather : {false, true})
-        for (int align : {0, 2})
-            for (bool meet : {false, true}) runs.push_back({gather, align, meet, false});
+    for (int align : {0, 2})
+        for (bool meet : {false, true}) runs.push_back({align, meet, false});
     return runs;
 }
 
 std::string direct_name(const DirectRun& r) {
-    return std::string(r.gather ? "gathered" : "default") + (r.align ? " contiguous" : " masked") +
-           (r.publish_meet ? " publish-meet" : " move") + (r.late_flag ? " late flag" : "");
+    return std::string(r.align ? "contiguous" : "masked") + (r.publish_meet ? " publish-meet" : " move") +
+           (r.late_flag ? " late flag" : "");
 }
 
 TEST(CudaPeerChecks, DirectTablesOfHonestSenders) {
@@ -632,16 +629,16 @@ TEST(CudaPeerChecks, DirectTablesDropEveryForgedSender) {
     }
 }
 
-// The gathered form's waiting block reads senders as their flags arrive: sender 2's comes about 5 ms
+// The waiting block reads senders as their flags arrive: sender 2's comes about 5 ms
 // after the launch, once the others have been read (a copy on another stream while the kernel
 // waits; not under compute-sanitizer, which runs one kernel or copy at a time). Same tables.
-TEST(CudaDirectTables, GatheredTablesWithALateSender) {
+TEST(CudaDirectTables, TablesWithALateSender) {
     ELASTICEP_SKIP_WITHOUT_GPU();
     for (bool forged : {false, true}) {
         Published pub = honest_published();
         if (forged) pub.counts[2][4] = 5;
         for (int align : {0, 2}) {
-            const DirectRun run{true, align, true, true};
+            const DirectRun run{align, true, true};
             const std::string what = direct_name(run) + (forged ? ", sender 2 forged" : "");
             DirectOutcome o;
             run_direct_receiver(pub, run, o);

@@ -196,7 +196,6 @@ class CudaBackend final : public BackendBuffer {
             cudaDeviceProp prop{};
             ELASTICEP_CUDA_CALL(cudaGetDeviceProperties(&prop, dev_));
             device_sms = prop.multiProcessorCount;
-            l2_bytes_ = prop.l2CacheSize;
             ELASTICEP_CUDA_CALL(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
             ELASTICEP_CUDA_CALL(cudaEventCreateWithFlags(&last_event_, cudaEventDisableTiming));
             // Everything that may wait for the device happens before the first collective: once a peer
@@ -235,12 +234,6 @@ class CudaBackend final : public BackendBuffer {
             if (const char* v = std::getenv("ELASTICEP_DIRECT_ONE_KERNEL"); v && std::string(v) == "1")
                 direct_one_kernel_ = direct_;
             if (const char* v = std::getenv("ELASTICEP_DIRECT_PDL"); v && std::string(v) == "0") direct_pdl_ = false;
-            // opt-in forms of the direct dispatch, not yet measured on a device (docs/PERFORMANCE.md,
-            // "Tenth session"): the tables gathered as the plan flags arrive, x's rows prefetched
-            if (const char* v = std::getenv("ELASTICEP_DIRECT_TABLES"); v && std::string(v) == "gather")
-                direct_gather_ = true;
-            if (const char* v = std::getenv("ELASTICEP_DIRECT_PREFETCH"); v && std::string(v) == "1")
-                direct_prefetch_ = true;
             if (direct_) grid_sms_ = std::min(launch_.num_sms, std::max(1, device_sms / where.ranks_on_my_gpu));
             shape_ = make_shape(cfg_, num_ranks_, ring, direct_);
             region_ = RegionLayout::make(shape_);
@@ -357,7 +350,7 @@ class CudaBackend final : public BackendBuffer {
         p.zero_padding = a.zero_padding;
         p.expert_alignment = contiguous ? a.expert_alignment : 0;  // 0: no segments (masked)
         const cuda::DispatchModes modes{send_payload(cfg_, req.prequantized), a.topk_idx.dtype == DType::kInt64,
-                                        contiguous, direct_gather_};
+                                        contiguous};
 
         ELASTICEP_CHECK_ARG(!(capturing && forger_), "dispatch: a test's dispatch forger cannot run while capturing");
         ELASTICEP_CHECK(!(direct_ && forger_), ErrorCode::kUnsupported,
@@ -385,10 +378,6 @@ class CudaBackend final : public BackendBuffer {
                     contiguous ? kernels::ScaleStrides{0, st[0], st[1]} : kernels::ScaleStrides{st[0], st[1], st[2]};
                 p.scales_mn_dynamic = contiguous && a.scales_mn_major && a.host_sync && !a.outputs.recv_scales;
             }
-            // every rank's input rows (all on this GPU) within a third of its L2: the move then
-            // reads them from L2 (direct.cuh, prefetch_rows)
-            p.prefetch_rows =
-                direct_prefetch_ && int64_t{num_ranks_} * t_count * cfg_.hidden * xelem <= int64_t{l2_bytes_} / 3;
             run_direct([&](int grid, bool after) { cuda::launch_direct_dispatch(p, modes, grid, after, stream); }, p,
                        stream, capturing, kPhaseDispatch, region_.plan_flags, region_.sent_flags, 1, true);
             if (p.host_sync) {
@@ -647,9 +636,6 @@ class CudaBackend final : public BackendBuffer {
     int direct_blocks_per_sm_ = 1;    // direct: resident blocks per SM (occupancy calculator)
     bool direct_one_kernel_ = false;  // ELASTICEP_DIRECT_ONE_KERNEL=1: kStepAll (run_direct)
     bool direct_pdl_ = true;          // ELASTICEP_DIRECT_PDL=0: the second step launched plainly (run_direct)
-    bool direct_prefetch_ = false;    // ELASTICEP_DIRECT_PREFETCH=1: x's rows prefetched to L2 (opt-in)
-    bool direct_gather_ = false;      // ELASTICEP_DIRECT_TABLES=gather: the tables gathered (opt-in)
-    int l2_bytes_ = 0;                // the device's L2
     cudaStream_t own_stream_ = nullptr;
     cudaEvent_t last_event_ = nullptr;
     bool has_event_ = false;

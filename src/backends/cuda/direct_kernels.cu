@@ -14,13 +14,13 @@ using kernels::with_constants;
 
 namespace {
 
-// The largest dynamic shared memory a direct dispatch asks for (kDirectMaxExperts, the gathered
-// tables' staged rows: larger than a full plan chunk there).
+// The largest dynamic shared memory a direct dispatch asks for (kDirectMaxExperts, the tables' staged
+// rows: larger than a full plan chunk there).
 constexpr int kDirectMaxSmem =
-    kernels::direct_dispatch_smem_bytes(kernels::kDirectMaxExperts, kernels::kDirectMaxRanks, 1 << 30, true);
+    kernels::direct_dispatch_smem_bytes(kernels::kDirectMaxExperts, kernels::kDirectMaxRanks, 1 << 30);
 
-int smem_of(const DispatchParams& p, bool gather) {
-    return kernels::direct_dispatch_smem_bytes(p.shape.num_experts, p.shape.num_ranks, p.num_tokens, gather);
+int smem_of(const DispatchParams& p) {
+    return kernels::direct_dispatch_smem_bytes(p.shape.num_experts, p.shape.num_ranks, p.num_tokens);
 }
 
 }  // namespace
@@ -28,11 +28,11 @@ int smem_of(const DispatchParams& p, bool gather) {
 void launch_direct_dispatch(const DispatchParams& p, const DispatchModes& modes, int grid, bool after_first,
                             cudaStream_t stream) {
     with_constants(
-        [&](auto payload, auto idx64, auto gather) {
-            launch_maybe_programmatic(kernels::direct_dispatch_kernel<Team, payload(), idx64(), gather()>, grid,
-                                      kernels::kThreads, smem_of(p, gather()), after_first, stream, p);
+        [&](auto payload, auto idx64) {
+            launch_maybe_programmatic(kernels::direct_dispatch_kernel<Team, payload(), idx64()>, grid,
+                                      kernels::kThreads, smem_of(p), after_first, stream, p);
         },
-        SendPayloadChoice{modes.payload}, BoolChoice{modes.idx64}, BoolChoice{modes.gather});
+        SendPayloadChoice{modes.payload}, BoolChoice{modes.idx64});
     ELASTICEP_CUDA_CHECK_LAUNCH();
 }
 
@@ -50,14 +50,13 @@ int direct_blocks_per_sm() {
     // the worst case of every instantiation: the grid must be resident whatever the call's modes
     int blocks = 2;
     kernels::for_all_constants(
-        [&](auto payload, auto idx64, auto gather) {
+        [&](auto payload, auto idx64) {
             int b = 0;
             ELASTICEP_CUDA_CALL(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                &b, kernels::direct_dispatch_kernel<Team, payload(), idx64(), gather()>, kernels::kThreads,
-                kDirectMaxSmem));
+                &b, kernels::direct_dispatch_kernel<Team, payload(), idx64()>, kernels::kThreads, kDirectMaxSmem));
             blocks = std::min(blocks, b);
         },
-        SendPayloadChoice{}, BoolChoice{}, BoolChoice{});
+        SendPayloadChoice{}, BoolChoice{});
     kernels::for_all_constants(
         [&](auto n) {
             int b = 0;
@@ -72,12 +71,12 @@ int direct_blocks_per_sm() {
 void load_direct_kernels() {
     cudaFuncAttributes attr{};
     kernels::for_all_constants(
-        [&](auto payload, auto idx64, auto gather) {
-            auto* k = kernels::direct_dispatch_kernel<Team, payload(), idx64(), gather()>;
+        [&](auto payload, auto idx64) {
+            auto* k = kernels::direct_dispatch_kernel<Team, payload(), idx64()>;
             ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, k));
             ELASTICEP_CUDA_CALL(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kDirectMaxSmem));
         },
-        SendPayloadChoice{}, BoolChoice{}, BoolChoice{});
+        SendPayloadChoice{}, BoolChoice{});
     kernels::for_all_constants(
         [&](auto n) { ELASTICEP_CUDA_CALL(cudaFuncGetAttributes(&attr, kernels::direct_combine_kernel<Team, n()>)); },
         BoolChoice{});

@@ -18,9 +18,8 @@ using CombineParams = kernels::CombineParams<Team>;
 // The templated arguments of one dispatch.
 struct DispatchModes {
     kernels::SendPayload payload;
-    bool idx64;           // topk_idx is int64
-    bool contiguous;      // expert-contiguous layout (else masked)
-    bool gather = false;  // direct: the tables gathered as the plan flags arrive (direct.cuh, kGather; opt-in)
+    bool idx64;       // topk_idx is int64
+    bool contiguous;  // expert-contiguous layout (else masked)
 };
 
 // staged path (src/kernels/intranode/dispatch.cuh, combine.cuh)

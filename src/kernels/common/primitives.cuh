@@ -136,9 +136,6 @@ __device__ __forceinline__ RowSlice row_slice(int64_t item, int slices, int step
     return {static_cast<int>(item / slices), sl * steps / slices, (sl + 1) * steps / slices, sl == 0};
 }
 
-// Asks L2 for the line holding `p` (a hint: no value, no fault, no ordering).
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
 // 16 bytes at base + byte_off; byte-wise when the source is not 16-byte aligned.
 __device__ __forceinline__ uint4 load16(const void* base, int64_t byte_off, bool aligned) {
     const uint8_t* src = static_cast<const uint8_t*>(base) + byte_off;

@@ -29,19 +29,14 @@
 //             pointers, scale strides, status); then signals every peer's plan flag (release, GPU
 //             scope). With kStepAll, seeing its own flag tells every block of this rank that every
 //             position is written.
-//             Then, with kGather and p.prefetch_rows (every rank's input rows fit well within L2:
-//             decode), each block asks L2 for its share of them, for the move that starts once every
-//             rank has published.
 //   tables    the publishing block (kStepPublishMeet; it leaves them in ws.direct_tables and
 //             direct_desc for kStepMoveFinish's blocks), or every block of kStepAll and kStepMove,
-//             waits (bounded) for every sender's plan flag and reads every rank's counts (with
-//             kGather the publishing block reads each batch of senders as their flags arrive,
-//             kStageRows count rows a round trip staged in shared memory), checked
-//             on receipt (each in [0, C], per receiver at most C * min(K, E_local); a sender that
-//             fails is dropped everywhere alike and recorded as a peer fault), as are the statuses
-//             (any bad one rejects the call on every rank); from them come, for every receiver d and
-//             local expert l, the segment start and this rank's first row there (SEMANTICS order:
-//             senders ascending).
+//             waits (bounded) for every sender's plan flag and reads every rank's counts (the
+//             publishing block reads each batch of senders as their flags arrive; kStageRows count
+//             rows a round trip, staged in shared memory), checked on receipt (each in [0, C], per receiver at most C *
+//             min(K, E_local); a sender that fails is dropped everywhere alike and recorded as a peer fault), as are
+//             the statuses (any bad one rejects the call on every rank); from them come, for every receiver d and local
+//             expert l, the segment start and this rank's first row there (SEMANTICS order: senders ascending).
 //   move      warps take RowSlices of this rank's tokens: clean routes, quantize once (fp8 fused),
 //             store the row into every route's receiver row, with its scales, weight, source and
 //             m_indices; ws.route_row / route_w / clean_idx for the combine. Then the padding rows of
@@ -102,12 +97,11 @@ __host__ __device__ constexpr int plan_chunk_tokens(int num_experts, int num_tok
 }
 // dynamic shared memory of direct_dispatch_kernel: base, seg, total [E], m_of [R] (the tables, one
 // run of words), then the plan's running [E], the chunk's kept-route masks [chunk] and its bitmap
-// [E][chunk / 32], whose words the gathered tables (`gather`: kGather) reuse once the plan is
-// published, for kStageRows senders' count rows [kStageRows][E]
-__host__ __device__ constexpr int direct_dispatch_smem_bytes(int num_experts, int num_ranks, int num_tokens,
-                                                             bool gather) {
+// [E][chunk / 32], whose words the tables reuse once the plan is published, for kStageRows senders'
+// count rows [kStageRows][E]
+__host__ __device__ constexpr int direct_dispatch_smem_bytes(int num_experts, int num_ranks, int num_tokens) {
     const int chunk = plan_chunk_tokens(num_experts, num_tokens);
-    const int plan = num_experts + chunk + num_experts * (chunk / 32), stage = gather ? kStageRows * num_experts : 0;
+    const int plan = num_experts + chunk + num_experts * (chunk / 32), stage = kStageRows * num_experts;
     return (3 * num_experts + num_ranks + (plan > stage ? plan : stage)) * 4;
 }
 
@@ -181,7 +175,7 @@ __device__ __forceinline__ int entry_point(int step, int first, int second) {
     return step == kStepFinish ? -1 : (step == kStepMove || step == kStepMoveFinish) ? second : first;
 }
 
-template <class Team, SendPayload kPayload, bool kIdx64, bool kGather>
+template <class Team, SendPayload kPayload, bool kIdx64>
 __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchParams<Team> p) {
     constexpr bool kFP8 = payload_is_fp8(kPayload);
     constexpr bool kFused = payload_quantizes(kPayload);
@@ -240,16 +234,14 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
     // dropped, bad_sender), read by the dispatch's waiting block when a second launch follows
     // (kStepPublishMeet, which leaves them in ws.direct_tables / direct_desc: store_tables,
     // load_tables), else by every block of the move once every flag is seen (kStepAll, kStepMove).
-    // Block 0 records a peer fault. Two forms:
-    //   every flag seen, then two round trips to L2 over every sender (read_every_sender: the counts'
-    //     checks, then the kept senders' sums), the default;
-    //   kGather (ELASTICEP_DIRECT_TABLES=gather, opt-in until measured on a device): kStageRows
-    //     senders' count rows per round trip, staged in shared memory, checked and summed there
-    //     (read_senders); the waiting block reads each batch of senders as their flags arrive
-    //     (gather_tables), so that after the last flag only the last senders are left.
+    // Block 0 records a peer fault. kStageRows senders' count rows per round trip, staged in shared
+    // memory, checked and summed there (read_senders); the waiting block reads each batch of senders
+    // as their flags arrive (gather_tables), so that after the last flag only the last senders are
+    // left (a form that read every sender after the last flag, in two round trips over all of them,
+    // was the default until run 46 measured this one: docs/PERFORMANCE.md, "Twelfth session").
     // (Latency: the block's threads share the loads, so each step costs one round trip, not one per
     // peer or per expert in series.)
-    int32_t* const stage = running;  // kGather: [kStageRows][E] senders' count rows (the plan's words)
+    int32_t* const stage = running;  // [kStageRows][E] senders' count rows (the plan's words, once published)
     __shared__ int sender_list[kDirectMaxRanks];
     __shared__ int list_size;
     auto start_tables = [&] {
@@ -258,11 +250,10 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
             bad_sender = nr;
         }
         for (int q = threadIdx.x; q < nr; q += blockDim.x) win[q] = team.window(q);
-        if constexpr (kGather)
-            for (int e = threadIdx.x; e < ne; e += blockDim.x) {
-                total[e] = 0;
-                base[e] = 0;  // this rank's first row at e, from the senders below it (seg added at the end)
-            }
+        for (int e = threadIdx.x; e < ne; e += blockDim.x) {
+            total[e] = 0;
+            base[e] = 0;  // this rank's first row at e, from the senders below it (seg added at the end)
+        }
         __syncthreads();
     };
     auto counts_of = [&](int q) { return RegionLayout::at<const int32_t>(win[q], region.published_count_row(parity)); };
@@ -284,51 +275,7 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                                   c.each_ok ? sum : c.bad_c, c.each_ok ? per_receiver : cap);
         }
     };
-    auto read_every_sender = [&] {
-        load_desc(nullptr, nr);
-        // a warp per kPairBatch (sender, receiver) pairs: its lanes read the local experts' counts side
-        // by side, the batch's loads in flight together (one round trip per batch, not one per pair;
-        // 16 warps x 4 pairs cover R = 8's 64 pairs in one; 8 pairs spilled registers on sm_90a)
-        constexpr int kPairBatch = 4;
-        for (int pair0 = warp * kPairBatch; pair0 < nr * nr; pair0 += kWarps * kPairBatch) {
-            PairCheck c[kPairBatch];
-            for (int l0 = 0; l0 < el; l0 += kWarpSize) {
-                const int l = l0 + lane;
-                int32_t v[kPairBatch];
-#pragma unroll
-                for (int u = 0; u < kPairBatch; ++u) {
-                    const int pair = pair0 + u;
-                    v[u] = pair < nr * nr && l < el ? __ldcg(counts_of(pair / nr) + (pair % nr) * el + l) : 0;
-                }
-#pragma unroll
-                for (int u = 0; u < kPairBatch; ++u) c[u].add(v[u], l < el, cap);
-            }
-#pragma unroll
-            for (int u = 0; u < kPairBatch; ++u)
-                if (pair0 + u < nr * nr) end_pair(c[u], (pair0 + u) / nr);
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < ne; e += blockDim.x) {
-            int32_t tot = 0, below = 0;
-            for (int s0 = 0; s0 < nr; s0 += 8) {  // 8 loads in flight
-                int32_t v[8];
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    const int s = s0 + u;
-                    v[u] = s < nr && !((dropped >> s) & 1ull) ? __ldcg(counts_of(s) + e) : 0;
-                }
-#pragma unroll
-                for (int u = 0; u < 8; ++u) {
-                    below += s0 + u < rank ? v[u] : 0;
-                    tot += v[u];
-                }
-            }
-            total[e] = tot;
-            base[e] = below;
-        }
-        __syncthreads();
-    };
-    // kGather: senders list[0, n), n <= kStageRows: their DirectOutputs and count rows in one round
+    // senders list[0, n), n <= kStageRows: their DirectOutputs and count rows in one round
     // trip, each (sender, receiver) pair checked from shared memory, then the kept senders' counts
     // added to total and, for senders below this rank, to base. Every thread calls.
     auto read_senders = [&](const int* list, int n) {
@@ -372,15 +319,11 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
         __syncthreads();
     };
     auto read_all_senders = [&] {  // every plan flag seen
-        if constexpr (!kGather) {
-            read_every_sender();
-        } else {
-            for (int q = threadIdx.x; q < nr; q += blockDim.x) sender_list[q] = q;
-            __syncthreads();
-            for (int j0 = 0; j0 < nr; j0 += kStageRows) read_senders(sender_list + j0, min(kStageRows, nr - j0));
-        }
+        for (int q = threadIdx.x; q < nr; q += blockDim.x) sender_list[q] = q;
+        __syncthreads();
+        for (int j0 = 0; j0 < nr; j0 += kStageRows) read_senders(sender_list + j0, min(kStageRows, nr - j0));
     };
-    // kGather, the waiting block: every sender's plan flag (bounded by the timeout), each batch of
+    // the waiting block: every sender's plan flag (bounded by the timeout), each batch of
     // senders whose flags arrived since the last look read at once (read_senders). Once every flag is
     // seen, the second launch may be scheduled. Returns false (every thread) on a timeout, recorded as
     // block_meet records it.
@@ -494,24 +437,6 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
         __syncthreads();
     };
 
-    // The first launch's blocks, their plan done, ask L2 for this rank's input rows (each block its
-    // share of the tokens, t mod grid), so that the move, which starts only once every rank has
-    // published, finds them there instead of in HBM. Only when the host found that every rank's rows
-    // fit well within L2 (p.prefetch_rows: decode); a prefetch is a hint and changes no result.
-    auto prefetch_rows = [&] {
-        if (!kGather || !p.prefetch_rows) return;  // (opt-in with the gathered tables until measured)
-        const int64_t x_row_bytes = int64_t{sh.hidden} * (kFP8 && !kFused ? 1 : 2);
-        const int lines = static_cast<int>((x_row_bytes + 127) / 128);
-        const int share =
-            (t_count - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
-        const int64_t stride = p.x_row_stride * (kFP8 && !kFused ? 1 : 2);
-        for (int i = threadIdx.x; i < share * lines; i += blockDim.x) {
-            const int t = static_cast<int>(blockIdx.x) + (i / lines) * static_cast<int>(gridDim.x);
-            const int64_t off = t * stride + min(int64_t{i % lines} * 128, x_row_bytes - 1);
-            prefetch_l2(static_cast<const uint8_t*>(p.x) + off);
-        }
-    };
-
     if (step != kStepFinish) {
         // the plan and publish run in the first launch only (the second, kStepMove or kStepMoveFinish,
         // reads what the first wrote: ws.pos_in_expert and the published counts)
@@ -613,30 +538,15 @@ __global__ void __launch_bounds__(kThreads, 2) direct_dispatch_kernel(DispatchPa
                 // the tables for the second launch, which it lets be scheduled first (its blocks wait for
                 // this grid's completion, and this block waits on no peer any more)
                 if (step == kStepPublishMeet) {
-                    prefetch_rows();
                     start_tables();
-                    bool met;
-                    if constexpr (kGather) {
-                        met = gather_tables();
-                    } else {
-                        met = block_meet(
-                            team, [&](int q) { return region.plan_flag(q); }, epoch, p.timeout_ns, kPhaseDispatch,
-                            p.record, p.ws);
-                        stamp(p.ws, kPtPlansSeen);
-                        allow_next_grid();
-                        if (met) read_every_sender();
-                    }
-                    if (met) {
+                    if (gather_tables()) {
                         end_tables();
                         store_tables();
                         stamp(p.ws, kPtTablesMade);
                     }
                 }
             }
-            if (step == kStepPublish || step == kStepPublishMeet) {
-                if (blockIdx.x != 0 || step == kStepPublish) prefetch_rows();
-                return;
-            }
+            if (step == kStepPublish || step == kStepPublishMeet) return;
         }
 
         // ---- tables: left by the first launch's waiting block when this is the second launch;

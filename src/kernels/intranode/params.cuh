@@ -85,7 +85,6 @@ struct DispatchParams : CallParams<Team> {
     int64_t num_rows_out;    // rows of the contiguous outputs (M with host sync, M_cap in graph mode)
     int32_t round;           // staged: the round of send / expand (messages j with j / S == round)
     bool scales_mn_dynamic;  // direct: contiguous MN-major buffer-owned scales with host sync (DirectOutputs)
-    bool prefetch_rows;      // direct, gathered tables: the first launch asks L2 for x's rows (they fit in it)
     // outputs
     uint8_t* recv_x;
     uint32_t* recv_scales;  // fp32 bits or packed UE8M0 words: 4 bytes either way
