@@ -2,9 +2,17 @@
 // sharing one context (as the bench's 8 ranks on one GPU do), each thread on its own non-blocking
 // stream. The launches are the backend's own (launch_maybe_programmatic) of a kernel that takes the
 // direct dispatch's parameters and does nothing. Prints microseconds per call (the slowest thread's
-// mean for 8 threads); docs/PERFORMANCE.md, "Sixteenth session".
+// mean for 8 threads); docs/PERFORMANCE.md, "Sixteenth session". Beside them, the alternatives a
+// launch could take: the classic cudaLaunchKernel, and the driver's cuLaunchKernelEx on a CUfunction
+// looked up once (cudaGetFuncBySymbol; the entry point through cudaGetDriverEntryPointByVersion, so
+// nothing links libcuda), with and without the programmatic attribute; and cudaGetDevice, which a
+// call could make instead of setting a device that is already current.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -23,13 +31,53 @@ __global__ void empty_kernel(Params p) {
 
 using Clock = std::chrono::steady_clock;
 
-enum Mode { kSetDevice, kIsCapturing, kEventRecord, kLaunch, kDispatchCalls, kLaunchesOnly, kNumModes };
+enum Mode {
+    kSetDevice,
+    kIsCapturing,
+    kEventRecord,
+    kLaunch,
+    kDispatchCalls,
+    kLaunchesOnly,
+    kGetDevice,
+    kClassicLaunch,
+    kDriverLaunch,
+    kDriverLaunches,
+    kNumModes
+};
 const char* const kNames[] = {"cudaSetDevice",
                               "cudaStreamIsCapturing",
                               "cudaEventRecord",
                               "cudaLaunchKernelEx",
                               "a dispatch's five calls (two launches)",
-                              "its two launches alone"};
+                              "its two launches alone",
+                              "cudaGetDevice",
+                              "cudaLaunchKernel (classic)",
+                              "cuLaunchKernelEx (driver, CUfunction cached)",
+                              "two driver launches (the second programmatic)"};
+
+// the driver's launch and the empty kernel's CUfunction, looked up once
+PFN_cuLaunchKernelEx_v11060 driver_launch = nullptr;
+CUfunction empty_function = nullptr;
+
+void driver_launch_once(cudaStream_t s, const Params& p, bool programmatic) {
+    CUlaunchConfig cfg{};
+    cfg.gridDimX = 16;
+    cfg.gridDimY = cfg.gridDimZ = 1;
+    cfg.blockDimX = 512;
+    cfg.blockDimY = cfg.blockDimZ = 1;
+    cfg.hStream = s;
+    CUlaunchAttribute attr{};
+    attr.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = programmatic ? 1 : 0;
+    void* args[] = {const_cast<Params*>(&p)};
+    const CUresult r = driver_launch(&cfg, empty_function, args, nullptr);
+    if (r != CUDA_SUCCESS) {
+        std::fprintf(stderr, "cuLaunchKernelEx failed: %d\n", static_cast<int>(r));
+        std::exit(1);
+    }
+}
 
 // mean host time per iteration of `mode`, over n iterations (the stream drained every 16)
 double time_calls(int mode, cudaStream_t s, cudaEvent_t ev, int n) {
@@ -38,6 +86,7 @@ double time_calls(int mode, cudaStream_t s, cudaEvent_t ev, int n) {
     double total = 0;
     for (int i = 0; i < n; ++i) {
         cudaStreamCaptureStatus status;
+        int device = -1;
         const auto t0 = Clock::now();
         switch (mode) {
             case kSetDevice:
@@ -52,6 +101,20 @@ double time_calls(int mode, cudaStream_t s, cudaEvent_t ev, int n) {
             case kLaunch:
                 launch(false);
                 break;
+            case kGetDevice:
+                ELASTICEP_CUDA_CALL(cudaGetDevice(&device));
+                break;
+            case kClassicLaunch:
+                empty_kernel<<<16, 512, 0, s>>>(p);
+                ELASTICEP_CUDA_CALL(cudaGetLastError());
+                break;
+            case kDriverLaunch:
+                driver_launch_once(s, p, false);
+                break;
+            case kDriverLaunches:
+                driver_launch_once(s, p, false);
+                driver_launch_once(s, p, true);
+                break;
             default:  // the direct dispatch's order (cuda_backend.cu): the second launch is programmatic
                 if (mode == kDispatchCalls) {
                     ELASTICEP_CUDA_CALL(cudaSetDevice(0));
@@ -62,6 +125,7 @@ double time_calls(int mode, cudaStream_t s, cudaEvent_t ev, int n) {
                 if (mode == kDispatchCalls) ELASTICEP_CUDA_CALL(cudaEventRecord(ev, s));
         }
         total += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+        (void)device;
         if (i % 16 == 15) ELASTICEP_CUDA_CALL(cudaStreamSynchronize(s));
     }
     ELASTICEP_CUDA_CALL(cudaStreamSynchronize(s));
@@ -72,6 +136,17 @@ double time_calls(int mode, cudaStream_t s, cudaEvent_t ev, int n) {
 
 int main() {
     constexpr int kThreads = 8, kIters = 2048;
+    ELASTICEP_CUDA_CALL(cudaSetDevice(0));
+    cudaDriverEntryPointQueryResult found{};
+    ELASTICEP_CUDA_CALL(cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", reinterpret_cast<void**>(&driver_launch),
+                                                         12000, cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || driver_launch == nullptr) {
+        std::fprintf(stderr, "cuLaunchKernelEx: no driver entry point\n");
+        return 1;
+    }
+    cudaFunction_t f = nullptr;
+    ELASTICEP_CUDA_CALL(cudaGetFuncBySymbol(&f, reinterpret_cast<const void*>(empty_kernel)));
+    empty_function = reinterpret_cast<CUfunction>(f);
     for (int mode = 0; mode < kNumModes; ++mode) {
         std::vector<cudaStream_t> streams(kThreads);
         std::vector<cudaEvent_t> events(kThreads);
