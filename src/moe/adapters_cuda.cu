@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/common/cuda_check.hpp"
+#include "kernels/common/device_scope.hpp"
 #include "kernels/moe/repack.cuh"
 #include "kernels/moe/scales.cuh"
 #include "moe/moe_internal.hpp"
@@ -17,18 +18,7 @@ namespace km = kernels::moe;
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
-// Switches to `device` for the launch and back afterwards (ranks sharing a process may differ).
-class DeviceScope {
- public:
-    explicit DeviceScope(int device) {
-        ELASTICEP_CUDA_CALL(cudaGetDevice(&prev_));
-        if (device != prev_) ELASTICEP_CUDA_CALL(cudaSetDevice(device));
-    }
-    ~DeviceScope() { cudaSetDevice(prev_); }
-
- private:
-    int prev_ = 0;
-};
+using cuda::DeviceScope;  // (ranks sharing a process may differ)
 
 unsigned grid_for(int64_t items, int64_t per_block) {
     const int64_t b = (items + per_block - 1) / per_block;

@@ -23,6 +23,7 @@
 #include "core/check.hpp"
 #include "core/numerics.hpp"
 #include "kernels/common/cuda_check.hpp"
+#include "kernels/common/device_scope.hpp"
 #include "kernels/moe/expert_ffn.cuh"
 #include "moe/moe_internal.hpp"
 
@@ -51,17 +52,7 @@ unsigned grid_for(int64_t items, int64_t per_block) {
     return static_cast<unsigned>(std::clamp<int64_t>(b, 1, 8192));
 }
 
-class DeviceScope {
- public:
-    explicit DeviceScope(int device) {
-        ELASTICEP_CUDA_CALL(cudaGetDevice(&prev_));
-        if (device != prev_) ELASTICEP_CUDA_CALL(cudaSetDevice(device));
-    }
-    ~DeviceScope() { cudaSetDevice(prev_); }
-
- private:
-    int prev_ = 0;
-};
+using cuda::DeviceScope;  // (ranks sharing a process may differ)
 
 // Device memory that grows on demand (never while the stream is being captured).
 struct Scratch {

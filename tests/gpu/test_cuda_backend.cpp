@@ -7,7 +7,9 @@
 #include <string>
 
 #include "e4m3_selftest.hpp"
+#include "elasticep/error.hpp"
 #include "gpu_harness.hpp"
+#include "kernels/common/device_scope.hpp"
 
 namespace eptest {
 namespace {
@@ -163,6 +165,40 @@ TEST(CudaBackendMatrix, NinetySixRanksOneGpu) {
     s.bias = true;
     s.idx64 = true;
     run_two_rounds(s, 1, 97);
+}
+
+// The device a buffer's calls make current for their duration (kernels/common/device_scope.hpp): the
+// caller's current device, as the CUDA runtime reports it, is the same after the scope as before;
+// a device that does not exist is a kCuda error that changes nothing; with two GPUs the scope
+// switches and switches back.
+TEST(CudaDeviceScope, GivesTheCallersDeviceBack) {
+    ELASTICEP_SKIP_WITHOUT_GPU();
+    using elasticep::detail::cuda::DeviceScope;
+    auto current = [] {
+        int d = -1;
+        EXPECT_EQ(cudaGetDevice(&d), cudaSuccess);
+        return d;
+    };
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    {
+        const DeviceScope scope(0);
+        EXPECT_EQ(current(), 0);
+    }
+    EXPECT_EQ(current(), 0);
+    try {
+        const DeviceScope scope(gpu_count());
+        ADD_FAILURE() << "DeviceScope(" << gpu_count() << ") did not throw with " << gpu_count() << " GPUs";
+    } catch (const elasticep::Error& e) {
+        EXPECT_EQ(e.code(), elasticep::ErrorCode::kCuda) << e.what();
+    }
+    cudaGetLastError();
+    EXPECT_EQ(current(), 0);
+    if (gpu_count() < 2) GTEST_SKIP() << "the switch needs 2 or more GPUs (found " << gpu_count() << ")";
+    {
+        const DeviceScope scope(1);
+        EXPECT_EQ(current(), 1);
+    }
+    EXPECT_EQ(current(), 0);
 }
 
 }  // namespace

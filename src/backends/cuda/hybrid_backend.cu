@@ -40,6 +40,7 @@
 #include "core/check.hpp"
 #include "core/protocol.hpp"
 #include "kernels/common/cuda_check.hpp"
+#include "kernels/common/device_scope.hpp"
 #include "transport/device_pool.hpp"
 #include "transport/scaleout/rail.hpp"
 #include "transport/sub_group.hpp"
@@ -253,18 +254,18 @@ class CudaHybridBackend final : public BackendBuffer {
     size_t reserved_bytes() const override { return cuda_hybrid_reservation_bytes(cfg_, num_ranks_); }
 
     std::vector<int64_t> expert_load() override {
-        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
         sync_last();
         return cuda::read_expert_load(ws_.expert_load, e_local_);
     }
     void reset_expert_load() override {
-        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
         sync_last();
         cuda::clear_expert_load(ws_.expert_load, e_local_, own_stream_);
     }
 
     void check() override {
-        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
         sync_last();
         raise_faults();
         volatile RouteStatus* s = &record_->host()->sticky;
@@ -276,7 +277,7 @@ class CudaHybridBackend final : public BackendBuffer {
     }
 
     void dispatch(const DispatchRequest& req, HandleState& handle, DispatchResult& result) override {
-        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
         settle_rail();
         raise_faults();
         const DispatchArgs& a = *req.args;
@@ -365,7 +366,7 @@ class CudaHybridBackend final : public BackendBuffer {
     }
 
     TensorRef combine(HandleState& handle, const CombineArgs& args) override {
-        ELASTICEP_CUDA_CALL(cudaSetDevice(dev_));
+        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
         settle_rail();
         raise_faults();
         cudaStream_t stream = args.stream ? static_cast<cudaStream_t>(args.stream) : own_stream_;
