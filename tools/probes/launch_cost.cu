@@ -18,11 +18,13 @@
 
 #include "backends/cuda/programmatic_launch.hpp"
 #include "kernels/common/cuda_check.hpp"
+#include "kernels/common/device_scope.hpp"
 #include "kernels/intranode/params.cuh"
 
 namespace {
 
 using Params = elasticep::kernels::DispatchParams<elasticep::transport::NvlinkTeam>;
+using elasticep::detail::cuda::DeviceScope;
 using elasticep::detail::cuda::launch_maybe_programmatic;
 
 __global__ void empty_kernel(Params p) {
@@ -48,7 +50,7 @@ const char* const kNames[] = {"cudaSetDevice",
                               "cudaStreamIsCapturing",
                               "cudaEventRecord",
                               "cudaLaunchKernelEx",
-                              "a dispatch's five calls (two launches)",
+                              "a dispatch's calls (device scope, capture check, two launches, event)",
                               "its two launches alone",
                               "cudaGetDevice",
                               "cudaLaunchKernel (classic)",
@@ -86,7 +88,6 @@ double time_calls(int mode, cudaStream_t s, cudaEvent_t ev, int n) {
     double total = 0;
     for (int i = 0; i < n; ++i) {
         cudaStreamCaptureStatus status;
-        int device = -1;
         const auto t0 = Clock::now();
         switch (mode) {
             case kSetDevice:
@@ -101,9 +102,11 @@ double time_calls(int mode, cudaStream_t s, cudaEvent_t ev, int n) {
             case kLaunch:
                 launch(false);
                 break;
-            case kGetDevice:
+            case kGetDevice: {
+                int device = -1;
                 ELASTICEP_CUDA_CALL(cudaGetDevice(&device));
                 break;
+            }
             case kClassicLaunch:
                 empty_kernel<<<16, 512, 0, s>>>(p);
                 ELASTICEP_CUDA_CALL(cudaGetLastError());
@@ -115,17 +118,19 @@ double time_calls(int mode, cudaStream_t s, cudaEvent_t ev, int n) {
                 driver_launch_once(s, p, false);
                 driver_launch_once(s, p, true);
                 break;
-            default:  // the direct dispatch's order (cuda_backend.cu): the second launch is programmatic
-                if (mode == kDispatchCalls) {
-                    ELASTICEP_CUDA_CALL(cudaSetDevice(0));
+            default: {  // the direct dispatch's order (cuda_backend.cu): the second launch is programmatic
+                // (runs 56 and 58 timed cudaSetDevice here, which the calls made before DeviceScope)
+                const bool calls = mode == kDispatchCalls;
+                if (calls) {
+                    const DeviceScope scope(0);
                     ELASTICEP_CUDA_CALL(cudaStreamIsCapturing(s, &status));
                 }
                 launch(false);
                 launch(true);
-                if (mode == kDispatchCalls) ELASTICEP_CUDA_CALL(cudaEventRecord(ev, s));
+                if (calls) ELASTICEP_CUDA_CALL(cudaEventRecord(ev, s));
+            }
         }
         total += std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-        (void)device;
         if (i % 16 == 15) ELASTICEP_CUDA_CALL(cudaStreamSynchronize(s));
     }
     ELASTICEP_CUDA_CALL(cudaStreamSynchronize(s));

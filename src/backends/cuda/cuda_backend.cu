@@ -291,18 +291,18 @@ class CudaBackend final : public BackendBuffer {
     }
 
     std::vector<int64_t> expert_load() override {
-        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
+        const cuda::DeviceScope device_scope(dev_);
         sync_last();
         return cuda::read_expert_load(ws_.expert_load, e_local_);
     }
     void reset_expert_load() override {
-        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
+        const cuda::DeviceScope device_scope(dev_);
         sync_last();
         cuda::clear_expert_load(ws_.expert_load, e_local_, own_stream_);
     }
 
     void check() override {
-        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
+        const cuda::DeviceScope device_scope(dev_);
         sync_last();
         watch_->raise_faults();
         volatile RouteStatus* s = &record_->host()->sticky;
@@ -315,7 +315,7 @@ class CudaBackend final : public BackendBuffer {
 
     void dispatch(const DispatchRequest& req, HandleState& handle, DispatchResult& result) override {
         stages_.host_point("entry");
-        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
+        const cuda::DeviceScope device_scope(dev_);
         watch_->raise_faults();
         const DispatchArgs& a = *req.args;
         cudaStream_t stream = a.stream ? static_cast<cudaStream_t>(a.stream) : own_stream_;
@@ -456,7 +456,7 @@ class CudaBackend final : public BackendBuffer {
 
     TensorRef combine(HandleState& handle, const CombineArgs& args) override {
         stages_.host_point("entry");
-        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
+        const cuda::DeviceScope device_scope(dev_);
         watch_->raise_faults();
         cudaStream_t stream = args.stream ? static_cast<cudaStream_t>(args.stream) : own_stream_;
         const int64_t t_count = handle.num_tokens;

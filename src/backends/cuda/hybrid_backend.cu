@@ -254,18 +254,18 @@ class CudaHybridBackend final : public BackendBuffer {
     size_t reserved_bytes() const override { return cuda_hybrid_reservation_bytes(cfg_, num_ranks_); }
 
     std::vector<int64_t> expert_load() override {
-        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
+        const cuda::DeviceScope device_scope(dev_);
         sync_last();
         return cuda::read_expert_load(ws_.expert_load, e_local_);
     }
     void reset_expert_load() override {
-        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
+        const cuda::DeviceScope device_scope(dev_);
         sync_last();
         cuda::clear_expert_load(ws_.expert_load, e_local_, own_stream_);
     }
 
     void check() override {
-        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
+        const cuda::DeviceScope device_scope(dev_);
         sync_last();
         raise_faults();
         volatile RouteStatus* s = &record_->host()->sticky;
@@ -277,7 +277,7 @@ class CudaHybridBackend final : public BackendBuffer {
     }
 
     void dispatch(const DispatchRequest& req, HandleState& handle, DispatchResult& result) override {
-        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
+        const cuda::DeviceScope device_scope(dev_);
         settle_rail();
         raise_faults();
         const DispatchArgs& a = *req.args;
@@ -366,7 +366,7 @@ class CudaHybridBackend final : public BackendBuffer {
     }
 
     TensorRef combine(HandleState& handle, const CombineArgs& args) override {
-        const cuda::DeviceScope device_scope(dev_);  // the caller's device back on return
+        const cuda::DeviceScope device_scope(dev_);
         settle_rail();
         raise_faults();
         cudaStream_t stream = args.stream ? static_cast<cudaStream_t>(args.stream) : own_stream_;
